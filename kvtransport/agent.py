@@ -1,0 +1,564 @@
+"""The agent: the one core every backend gets for free.
+
+An :class:`Agent` owns one backend instance and adds what must hold for all of them:
+
+* validation before posting (T4): every byte of every segment inside a registered
+  region of the right agent, lengths equal, peer connected, agent open — checked with
+  numpy over whole arrays, so bad input never reaches a backend and no byte moves;
+* contiguous-run merging, so backends see few large operations;
+* deadlines (T2): polling fails a transfer whose deadline passed even if the backend
+  is silent, then cancels it in the backend and tracks quiescence (T3);
+* exactly-once completion (T1): :meth:`Agent.progress` reports each transfer that
+  became terminal once;
+* metrics and fault injection.
+
+Progress is driven by the caller (``Transfer.status/wait``, ``Agent.progress``), as in
+NIXL's agent; backends that need background progress run their own thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import metadata as md_mod
+from .errors import (
+    AgentClosedError,
+    BackendOptionError,
+    BackendUnavailableError,
+    IncompatiblePeerError,
+    InvalidSegmentsError,
+    KVTransportError,
+    LayoutMismatchError,
+    PeerMetadataError,
+    UnknownPeerError,
+    UnregisteredMemoryError,
+)
+from .faults import FaultInjectingBackend, FaultPlan, plan_from_options
+from .memory import MemoryRegion, RemoteMemoryRegion, describe_buffer
+from .registry import load_backend_class, probe_class
+from .segments import Segments, merge_pairs
+from .spi import Backend, LocalRegion, Op, PollState, PostRequest, RemoteRegion
+from .transfer import State, Transfer, TransferStatus
+
+__all__ = ["AgentConfig", "Agent", "Peer", "Notification", "open_agent"]
+
+_U64 = np.uint64
+
+
+@dataclass
+class AgentConfig:
+    """Core settings, kept apart from backend options (which go to the backend as-is)."""
+
+    name: str | None = None
+    #: Deadline of a transfer when ``read``/``write`` get no ``timeout``.
+    default_timeout_s: float = 30.0
+    max_metadata_bytes: int = md_mod.MAX_METADATA_BYTES
+    #: Optional KV layout facts; a peer declaring a different layout is refused.
+    layout: dict[str, str | int] | None = None
+    faults: FaultPlan | None = None
+    #: Latency samples kept for percentiles.
+    latency_window: int = 4096
+
+
+@dataclass(frozen=True)
+class Notification:
+    peer: str
+    payload: bytes
+
+
+class Peer:
+    """A connected peer. Obtained from :meth:`Agent.connect`; stale once replaced."""
+
+    def __init__(self, name: str, instance: str, regions: list[RemoteMemoryRegion], handle: Any,
+                 layout: Mapping[str, Any] | None):
+        self.name = name
+        self.instance = instance
+        self.regions = regions
+        self.layout = dict(layout) if layout else None
+        self._handle = handle
+        ids = np.array([r.id for r in regions], dtype=np.int64)
+        order = np.argsort(ids, kind="stable")
+        self._index = _RegionIndex(
+            ids[order],
+            np.array([r.addr for r in regions], dtype=_U64)[order],
+            np.array([r.length for r in regions], dtype=_U64)[order],
+        )
+        self._by_id = {r.id: r for r in regions}
+
+    def region(self, region_id: int) -> RemoteMemoryRegion:
+        try:
+            return self._by_id[region_id]
+        except KeyError:
+            raise UnregisteredMemoryError(
+                f"peer {self.name!r} exported no region {region_id}; it has {sorted(self._by_id)}"
+            ) from None
+
+    def __repr__(self) -> str:
+        return f"Peer({self.name!r}, regions={len(self.regions)})"
+
+
+class _RegionIndex:
+    """Sorted id -> (base, length) arrays for vectorised range checks."""
+
+    def __init__(self, ids: np.ndarray, addrs: np.ndarray, lens: np.ndarray):
+        self.ids, self.addrs, self.lens = ids, addrs, lens
+
+    def resolve(self, region: np.ndarray, offset: np.ndarray, length: np.ndarray, side: str,
+                owner: str) -> np.ndarray:
+        """Absolute addresses for the segments, or raise naming the first bad one."""
+        if self.ids.size == 0:
+            raise UnregisteredMemoryError(
+                f"{side} segments refer to {owner}, which has no registered memory"
+            )
+        idx = np.searchsorted(self.ids, region)
+        idx_c = np.minimum(idx, self.ids.size - 1)
+        known = self.ids[idx_c] == region
+        if not known.all():
+            bad = int(region[np.flatnonzero(~known)[0]])
+            raise UnregisteredMemoryError(
+                f"{side} segment refers to region {bad}, which is not registered on {owner}; "
+                f"registered ids: {self.ids.tolist()[:16]}"
+            )
+        rlen = self.lens[idx_c]
+        inside = (offset <= rlen) & (length <= rlen - np.minimum(offset, rlen))
+        if not inside.all():
+            i = int(np.flatnonzero(~inside)[0])
+            raise InvalidSegmentsError(
+                f"{side} segment {i} [offset {int(offset[i])}, +{int(length[i])}) lies outside "
+                f"region {int(region[i])} of {int(rlen[i])} bytes on {owner}"
+            )
+        return self.addrs[idx_c] + offset
+
+
+class Agent:
+    """One endpoint of KV transfers. Create with :func:`kvtransport.open`."""
+
+    def __init__(self, backend: Backend, config: AgentConfig):
+        self.config = config
+        self.name = backend.agent_name
+        self.backend_name = backend.name
+        self.instance = secrets.token_hex(8)
+        self._backend = backend
+        self._lock = threading.RLock()
+        self._closed = False
+        self._region_ids = itertools.count(1)
+        self._tids = itertools.count(1)
+        self._regions: dict[int, tuple[MemoryRegion, bytes]] = {}
+        self._local_index = _RegionIndex(np.empty(0, np.int64), np.empty(0, _U64), np.empty(0, _U64))
+        self._peers: dict[str, Peer] = {}
+        self._pending: dict[int, Transfer] = {}
+        self._unquiesced: dict[int, Transfer] = {}
+        self._completed: deque[Transfer] = deque()
+        self._latencies: deque[float] = deque(maxlen=config.latency_window)
+        self._stats = dict(
+            transfers_posted=0, transfers_done=0, transfers_failed=0, transfers_timed_out=0,
+            bytes_read=0, bytes_written=0, segments_posted=0, segments_merged=0,
+            notifications_received=0, peers_refused=0,
+        )
+
+    # -- properties -----------------------------------------------------------
+    @property
+    def faults(self) -> FaultInjectingBackend | None:
+        """The fault injector when opened with ``faults=``, for tests (``kill_peer``)."""
+        b = self._backend
+        return b if isinstance(b, FaultInjectingBackend) else None
+
+    @property
+    def capabilities(self):
+        return self._backend.capabilities
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def peers(self) -> dict[str, Peer]:
+        return dict(self._peers)
+
+    @property
+    def regions(self) -> list[MemoryRegion]:
+        return [r for r, _ in self._regions.values()]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise AgentClosedError(self.name)
+
+    # -- memory ---------------------------------------------------------------
+    def register(self, buf: Any, kind: str | None = None) -> MemoryRegion:
+        """Register memory so peers can read or write it; returns its region."""
+        addr, length, mkind, device, owner = describe_buffer(buf, kind)
+        with self._lock:
+            self._check_open()
+            if mkind not in self._backend.capabilities.memory_kinds:
+                raise InvalidSegmentsError(
+                    f"backend {self.backend_name!r} cannot register {mkind!r} memory; it accepts "
+                    f"{sorted(self._backend.capabilities.memory_kinds)}"
+                )
+            rid = next(self._region_ids)
+            region = MemoryRegion(rid, addr, length, mkind, device, owner)
+            blob = self._backend.register(LocalRegion(rid, addr, length, mkind, device))
+            self._regions[rid] = (region, bytes(blob))
+            self._rebuild_local_index()
+            return region
+
+    def deregister(self, region: MemoryRegion) -> None:
+        with self._lock:
+            self._check_open()
+            if region.id not in self._regions:
+                raise UnregisteredMemoryError(f"region {region.id} is not registered on {self.name!r}")
+            busy = [t.id for t in itertools.chain(self._pending.values(), self._unquiesced.values())
+                    if (t.local_regions == region.id).any()]
+            if busy:
+                raise KVTransportError(
+                    f"region {region.id} is in use by transfers {busy[:8]} (pending or not yet "
+                    "quiesced); wait for them before deregistering"
+                )
+            self._regions.pop(region.id)
+            self._backend.deregister(LocalRegion(region.id, region.addr, region.length, region.kind,
+                                                 region.device))
+            self._rebuild_local_index()
+
+    def _rebuild_local_index(self) -> None:
+        ids = np.array(sorted(self._regions), dtype=np.int64)
+        addrs = np.array([self._regions[i][0].addr for i in ids], dtype=_U64)
+        lens = np.array([self._regions[i][0].length for i in ids], dtype=_U64)
+        self._local_index = _RegionIndex(ids, addrs, lens)
+
+    # -- peers ----------------------------------------------------------------
+    def metadata(self) -> bytes:
+        """Versioned blob a peer passes to its ``connect``."""
+        with self._lock:
+            self._check_open()
+            regions = [
+                md_mod.RegionDesc(r.id, r.addr, r.length, r.kind, blob)
+                for r, blob in self._regions.values()
+            ]
+            return md_mod.encode_metadata(md_mod.AgentMetadata(
+                magic=md_mod.MAGIC, protocol=md_mod.PROTOCOL_VERSION, agent=self.name,
+                instance=self.instance, backend=self.backend_name,
+                backend_version=self._backend.version, blob=self._backend.export(),
+                regions=regions, layout=self.config.layout,
+            ))
+
+    def connect(self, peer_metadata: bytes) -> Peer:
+        """Connect to (or refresh) the peer described by ``peer_metadata``.
+
+        A refused peer raises a typed error and changes nothing: other peers keep working.
+        """
+        with self._lock:
+            self._check_open()
+            try:
+                md = md_mod.decode_metadata(peer_metadata, self.config.max_metadata_bytes)
+                self._check_compatible(md)
+            except (PeerMetadataError, IncompatiblePeerError):
+                self._stats["peers_refused"] += 1
+                raise
+            if md.agent == self.name and md.instance == self.instance:
+                raise IncompatiblePeerError(
+                    f"agent {self.name!r} cannot connect to itself; open a second agent"
+                )
+            regions = [RemoteMemoryRegion(r.id, r.addr, r.length, r.kind) for r in md.regions]
+            old = self._peers.get(md.agent)
+            if old is not None and old.instance != md.instance:
+                # Peer restarted under the same name: transfers to the old one must end.
+                self._drop_peer(old, f"peer {md.agent!r} restarted")
+            try:
+                handle = self._backend.connect(
+                    md.agent, md.blob,
+                    [RemoteRegion(r.id, r.addr, r.length, r.kind, r.blob) for r in md.regions],
+                )
+            except KVTransportError:
+                self._stats["peers_refused"] += 1
+                raise
+            except Exception as exc:
+                self._stats["peers_refused"] += 1
+                raise PeerMetadataError(
+                    f"backend {self.backend_name!r} refused peer {md.agent!r}: {type(exc).__name__}: {exc}"
+                ) from exc
+            peer = Peer(md.agent, md.instance, regions, handle, md.layout)
+            self._peers[md.agent] = peer
+            return peer
+
+    def _check_compatible(self, md: md_mod.AgentMetadata) -> None:
+        if md.backend != self.backend_name:
+            raise IncompatiblePeerError(
+                f"peer {md.agent!r} uses backend {md.backend!r}, this agent uses "
+                f"{self.backend_name!r}; open both agents with the same backend"
+            )
+        if md.backend_version != self._backend.version:
+            raise IncompatiblePeerError(
+                f"peer {md.agent!r} runs {md.backend} backend version {md.backend_version}, this "
+                f"agent runs {self._backend.version}; upgrade both sides to the same release"
+            )
+        mine, theirs = self.config.layout, md.layout
+        if mine is not None and theirs is not None and dict(mine) != dict(theirs):
+            diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+            detail = ", ".join(f"{k}: ours={mine.get(k)!r} theirs={theirs.get(k)!r}" for k in diff)
+            raise LayoutMismatchError(
+                f"peer {md.agent!r} has another KV layout ({detail}); both engines must use the "
+                "same model, dtype and block size"
+            )
+
+    def disconnect(self, peer: Peer) -> None:
+        with self._lock:
+            self._check_open()
+            if self._peers.get(peer.name) is not peer:
+                raise UnknownPeerError(f"peer {peer.name!r} is not connected to {self.name!r}")
+            self._drop_peer(peer, f"peer {peer.name!r} disconnected")
+
+    def _drop_peer(self, peer: Peer, reason: str) -> None:
+        self._peers.pop(peer.name, None)
+        try:
+            self._backend.disconnect(peer._handle)
+        finally:
+            for t in list(self._pending.values()):
+                if t.peer is peer:
+                    self._fail(t, reason)
+
+    # -- data path ------------------------------------------------------------
+    def read(self, peer: Peer, local: Segments, remote: Segments, *, notify: bytes | None = None,
+             timeout: float | None = None) -> Transfer:
+        """Copy ``remote`` (on ``peer``) into ``local``. ``notify`` reaches the peer after
+        the data has moved."""
+        return self._post(Op.READ, peer, local, remote, notify, timeout)
+
+    def write(self, peer: Peer, local: Segments, remote: Segments, *, notify: bytes | None = None,
+              timeout: float | None = None) -> Transfer:
+        """Copy ``local`` into ``remote`` (on ``peer``); ``notify`` reaches the peer after
+        the data landed."""
+        return self._post(Op.WRITE, peer, local, remote, notify, timeout)
+
+    def _post(self, op: Op, peer: Peer, local: Segments, remote: Segments,
+              notify: bytes | None, timeout: float | None) -> Transfer:
+        caps = self._backend.capabilities
+        if (op is Op.READ and not caps.read) or (op is Op.WRITE and not caps.write):
+            raise BackendOptionError(f"backend {self.backend_name!r} does not support {op.name}")
+        if notify is not None:
+            if not caps.notify:
+                raise BackendOptionError(f"backend {self.backend_name!r} cannot attach notifications")
+            if not isinstance(notify, (bytes, bytearray)):
+                raise InvalidSegmentsError(f"notify must be bytes, got {type(notify).__name__}")
+            notify = bytes(notify)
+        if not isinstance(local, Segments) or not isinstance(remote, Segments):
+            raise InvalidSegmentsError("local and remote must be kvtransport.Segments")
+        if len(local) != len(remote):
+            raise InvalidSegmentsError(
+                f"local has {len(local)} segments, remote has {len(remote)}; they pair one to one"
+            )
+        if len(local) == 0:
+            raise InvalidSegmentsError("nothing to transfer (0 segments); use send_notification "
+                                       "for a message without data")
+        if not np.array_equal(local.length, remote.length):
+            i = int(np.flatnonzero(local.length != remote.length)[0])
+            raise InvalidSegmentsError(
+                f"segment {i}: local length {int(local.length[i])} != remote length "
+                f"{int(remote.length[i])}; paired segments must have equal lengths"
+            )
+        if (local.length == 0).any():
+            raise InvalidSegmentsError("segment lengths must be positive")
+        timeout_s = self.config.default_timeout_s if timeout is None else float(timeout)
+        if timeout_s <= 0:
+            raise InvalidSegmentsError(f"timeout must be positive, got {timeout_s}")
+        with self._lock:
+            self._check_open()
+            if self._peers.get(peer.name) is not peer:
+                raise UnknownPeerError(
+                    f"peer {peer.name!r} is not connected to {self.name!r} (never connected, "
+                    "disconnected or replaced by a newer connect); connect() it first"
+                )
+            lr, lo, rr, ro, ln = merge_pairs(local, remote)
+            laddr = self._local_index.resolve(lr, lo, ln, "local", f"agent {self.name!r}")
+            raddr = peer._index.resolve(rr, ro, ln, "remote", f"peer {peer.name!r}")
+            tid = next(self._tids)
+            deadline = time.monotonic() + timeout_s
+            req = PostRequest(op, tid, peer._handle, peer.name, lr, lo, laddr, rr, ro, raddr, ln,
+                              notify, deadline)
+            nbytes = int(ln.sum())
+            t = Transfer(self, tid, op, peer, nbytes, int(ln.size), np.unique(lr), deadline)
+            self._stats["transfers_posted"] += 1
+            self._stats["segments_posted"] += len(local)
+            self._stats["segments_merged"] += int(ln.size)
+            try:
+                t._handle = self._backend.post(req)
+            except Exception as exc:  # a backend refusal fails the transfer, once, visibly
+                self._pending[tid] = t
+                self._fail(t, f"backend {self.backend_name!r} refused the post: "
+                              f"{type(exc).__name__}: {exc}", quiesced=True)
+                return t
+            self._pending[tid] = t
+            return t
+
+    # -- progress -------------------------------------------------------------
+    def _progress_transfer(self, t: Transfer) -> None:
+        with self._lock:
+            if t.id in self._pending:
+                self._poll_one(t, time.monotonic())
+            elif t.id in self._unquiesced:
+                self._check_quiesced(t)
+
+    def _poll_one(self, t: Transfer, now: float) -> None:
+        try:
+            res = self._backend.poll(t._handle) if t._handle is not None else None
+        except Exception as exc:
+            self._fail(t, f"backend poll raised {type(exc).__name__}: {exc}")
+            return
+        if res is None or res.state is PollState.PENDING:
+            if now >= t.deadline:
+                self._stats["transfers_timed_out"] += 1
+                self._fail(t, f"deadline of {t.deadline - t.posted_at:.3f}s passed "
+                              "with no completion from the backend")
+            return
+        if res.state is PollState.DONE:
+            if t._finish(TransferStatus(State.DONE)):
+                self._pending.pop(t.id, None)
+                self._stats["transfers_done"] += 1
+                self._stats["bytes_read" if t.op is Op.READ else "bytes_written"] += t.nbytes
+                self._latencies.append(t.finished_at - t.posted_at)
+                self._completed.append(t)
+        else:
+            self._fail(t, res.reason or "backend reported failure", quiesced=res.quiesced)
+
+    def _fail(self, t: Transfer, reason: str, quiesced: bool | None = None) -> None:
+        """Fail ``t`` once. Unless the backend already said so, cancel it and learn
+        whether anything can still land (T3)."""
+        if quiesced is None:
+            try:
+                quiesced = bool(self._backend.cancel(t._handle)) if t._handle is not None else True
+            except Exception:
+                quiesced = False
+        if t._finish(TransferStatus(State.FAILED, reason, quiesced)):
+            self._pending.pop(t.id, None)
+            self._stats["transfers_failed"] += 1
+            if not quiesced:
+                self._unquiesced[t.id] = t
+            self._completed.append(t)
+
+    def _check_quiesced(self, t: Transfer) -> None:
+        try:
+            ok = self._backend.quiesced(t._handle)
+        except Exception:
+            ok = False
+        if ok:
+            t._mark_quiesced()
+            self._unquiesced.pop(t.id, None)
+
+    def progress(self) -> list[Transfer]:
+        """Poll every pending transfer; return those that became DONE or FAILED since the
+        last call — each exactly once (T1), failed ones by their deadline (T2)."""
+        with self._lock:
+            if not self._closed:
+                now = time.monotonic()
+                for t in list(self._pending.values()):
+                    self._poll_one(t, now)
+                for t in list(self._unquiesced.values()):
+                    self._check_quiesced(t)
+            out = list(self._completed)
+            self._completed.clear()
+            return out
+
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def _release_transfer(self, t: Transfer) -> None:
+        with self._lock:
+            if t._released or t.id in self._pending or t.id in self._unquiesced or self._closed:
+                return
+            t._released = True
+            if t._handle is not None:
+                try:
+                    self._backend.release(t._handle)
+                except Exception:
+                    pass
+
+    # -- notifications --------------------------------------------------------
+    def notifications(self) -> list[Notification]:
+        """Messages peers attached to transfers or sent standalone, oldest first; drains."""
+        with self._lock:
+            self._check_open()
+            msgs = [Notification(p, bytes(m)) for p, m in self._backend.notifications()]
+            self._stats["notifications_received"] += len(msgs)
+            return msgs
+
+    def send_notification(self, peer: Peer, payload: bytes) -> None:
+        with self._lock:
+            self._check_open()
+            if self._peers.get(peer.name) is not peer:
+                raise UnknownPeerError(f"peer {peer.name!r} is not connected to {self.name!r}")
+            self._backend.send_notification(peer._handle, bytes(payload))
+
+    # -- lifetime -------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            s: dict[str, Any] = dict(self._stats)
+            s["pending"] = len(self._pending)
+            s["unquiesced"] = len(self._unquiesced)
+            s["peers"] = len(self._peers)
+            s["regions"] = len(self._regions)
+            if self._latencies:
+                lat = np.fromiter(self._latencies, dtype=float)
+                for p in (50, 90, 99):
+                    s[f"latency_p{p}_s"] = float(np.percentile(lat, p))
+            if self.faults is not None:
+                s["faults_injected"] = dict(self.faults.plan.injected)
+            return s
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "backend": self.backend_name, **self._backend.describe()}
+
+    def close(self) -> None:
+        """Fail what is pending, release the backend. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            for t in list(self._pending.values()):
+                self._fail(t, f"agent {self.name!r} closed")
+            self._closed = True
+            self._peers.clear()
+            self._backend.close()
+
+    def __enter__(self) -> Agent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Agent({self.name!r}, backend={self.backend_name!r}, closed={self._closed})"
+
+
+_CORE_OPTIONS = {"name", "default_timeout_s", "max_metadata_bytes", "layout", "faults", "config"}
+
+
+def open_agent(backend: str = "loopback", *, name: str | None = None,
+               config: AgentConfig | None = None, **options: Any) -> Agent:
+    """Open an agent on the backend registered under ``backend``.
+
+    Core settings come from ``config`` or the keywords ``default_timeout_s``,
+    ``max_metadata_bytes``, ``layout``, ``faults``; every other keyword is a backend
+    option, passed to the backend unchanged.
+    """
+    cfg = config or AgentConfig()
+    core = {k: options.pop(k) for k in list(options) if k in _CORE_OPTIONS}
+    for k, v in core.items():
+        setattr(cfg, k, plan_from_options(v) if k == "faults" else v)
+    if name is not None:
+        cfg.name = name
+    if cfg.name is None:
+        cfg.name = f"{backend}-{secrets.token_hex(4)}"
+    cls = load_backend_class(backend)
+    av = probe_class(cls)
+    if not av.usable:
+        raise BackendUnavailableError(backend, av.reason, av.install_hint)
+    impl: Backend = cls(cfg.name, options)
+    if cfg.faults is not None:
+        impl = FaultInjectingBackend(impl, cfg.faults)
+    return Agent(impl, cfg)

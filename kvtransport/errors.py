@@ -1,0 +1,80 @@
+"""Typed errors. Each names the problem and, where there is one, the fix.
+
+Every error raised by kvtransport derives from :class:`KVTransportError`, and the
+input-validation ones also derive from the builtin a caller would expect
+(``ValueError``, ``LookupError``) so generic handlers keep working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class KVTransportError(Exception):
+    """Base of every kvtransport error."""
+
+
+class BackendNotFoundError(KVTransportError, LookupError):
+    """No backend of that name is installed."""
+
+    def __init__(self, name: str, installed: Iterable[str]):
+        self.name = name
+        self.installed = sorted(installed)
+        listing = ", ".join(self.installed) or "(none)"
+        super().__init__(
+            f"unknown kvtransport backend {name!r}; installed backends: {listing}. "
+            "A third-party backend is installed by a package declaring an entry point in the "
+            "'kvtransport.backends' group (see docs/BACKENDS.md)."
+        )
+
+
+class BackendUnavailableError(KVTransportError, RuntimeError):
+    """The backend is installed but cannot run here (missing library, no device)."""
+
+    def __init__(self, name: str, reason: str, install_hint: str = ""):
+        self.name = name
+        self.reason = reason
+        self.install_hint = install_hint
+        msg = f"kvtransport backend {name!r} cannot run here: {reason}"
+        if install_hint:
+            msg += f" (fix: {install_hint})"
+        super().__init__(msg)
+
+
+class BackendOptionError(KVTransportError, ValueError):
+    """An option given to ``kvtransport.open`` is unknown or invalid for that backend."""
+
+
+class InvalidSegmentsError(KVTransportError, ValueError):
+    """Segment lists are malformed: lengths differ, out of range, non-positive length."""
+
+
+class UnregisteredMemoryError(KVTransportError, ValueError):
+    """A segment refers to a region id that is not registered (locally or on the peer)."""
+
+
+class UnknownPeerError(KVTransportError, LookupError):
+    """The peer is not connected to this agent (never connected, disconnected, or replaced)."""
+
+
+class PeerMetadataError(KVTransportError, ValueError):
+    """Peer metadata is malformed, truncated, oversized or of a foreign protocol version."""
+
+
+class IncompatiblePeerError(KVTransportError, ValueError):
+    """Peer metadata is well-formed but cannot be used: other backend or backend version."""
+
+
+class LayoutMismatchError(IncompatiblePeerError):
+    """The peer's declared KV layout differs from ours (block size, dtype, layers, bytes)."""
+
+
+class AgentClosedError(KVTransportError, RuntimeError):
+    """The agent was closed; open a new one with ``kvtransport.open``."""
+
+    def __init__(self, name: str):
+        super().__init__(f"agent {name!r} is closed; open a new one with kvtransport.open()")
+
+
+class TransferFailedError(KVTransportError, RuntimeError):
+    """Raised by ``Transfer.result()`` when the transfer ended FAILED."""

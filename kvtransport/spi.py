@@ -1,0 +1,267 @@
+"""The backend SPI: the small interface a transport implements.
+
+Thin backends, thick core. A backend only moves bytes and reports what happened;
+everything that must hold for *every* backend lives in the core (``kvtransport.agent``):
+
+* validation (every byte of every segment inside a registered region, lengths match,
+  peer known, agent open) happens before :meth:`Backend.post` is ever called, so a
+  backend may trust every :class:`PostRequest` it receives;
+* deadlines: the core polls and fails a transfer whose deadline passed even when the
+  backend stays silent, then asks the backend to :meth:`Backend.cancel` it;
+* exactly-once completion, metrics and fault injection.
+
+A backend is a class registered under the entry-point group ``kvtransport.backends``::
+
+    [project.entry-points."kvtransport.backends"]
+    mybackend = "my_package.backend:MyBackend"
+
+The core never imports a backend module by name; see ``docs/BACKENDS.md``.
+
+Threading: the core serialises calls into one backend instance with a lock, except
+:meth:`Backend.probe` (a classmethod). A backend may run its own progress thread.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+__all__ = [
+    "SPI_VERSION",
+    "Op",
+    "Scope",
+    "Capabilities",
+    "Availability",
+    "LocalRegion",
+    "RemoteRegion",
+    "PostRequest",
+    "PollState",
+    "PollResult",
+    "Backend",
+]
+
+#: Bumped when the SPI changes incompatibly. Backends may check it in ``probe``.
+SPI_VERSION = 1
+
+
+class Op(enum.IntEnum):
+    """Direction of a one-sided transfer, seen from the initiating agent."""
+
+    READ = 0  # remote -> local (consumer pulls)
+    WRITE = 1  # local -> remote (producer pushes)
+
+
+class Scope(str, enum.Enum):
+    """Where a peer may live relative to this agent."""
+
+    SAME_PROCESS = "same_process"
+    SAME_HOST = "same_host"
+    CROSS_HOST = "cross_host"
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do; the core refuses what a backend does not declare."""
+
+    read: bool = True
+    write: bool = True
+    notify: bool = True
+    #: Memory kinds accepted by ``register``: "cpu", "cuda", "rocm".
+    memory_kinds: frozenset[str] = frozenset({"cpu"})
+    scopes: frozenset[Scope] = frozenset({Scope.SAME_PROCESS, Scope.SAME_HOST})
+    #: Whether the backend notices a dead peer by itself (transfers fail before the deadline).
+    detects_peer_failure: bool = False
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether a backend can run on this machine, and if not why and how to fix it."""
+
+    usable: bool
+    reason: str = ""
+    install_hint: str = ""
+
+
+@dataclass(frozen=True)
+class LocalRegion:
+    """A region registered on this agent, as the core hands it to the backend.
+
+    ``id`` is unique within the agent and is what :class:`PostRequest` refers to.
+    """
+
+    id: int
+    addr: int
+    length: int
+    kind: str = "cpu"
+    device: int = -1
+
+
+@dataclass(frozen=True)
+class RemoteRegion:
+    """A region exported by a peer: its address range plus the backend's blob for it
+    (e.g. a packed UCX remote key, a mori ``MemoryDesc``)."""
+
+    id: int
+    addr: int
+    length: int
+    kind: str
+    blob: bytes
+
+
+@dataclass(frozen=True)
+class PostRequest:
+    """One validated, merged batch of segments to move in one direction.
+
+    All arrays have the same length (one entry per merged segment) and are
+    read-only. Addresses are absolute (``region.addr + offset``); offsets are
+    relative to the region start, for backends (like mori) that address by
+    region + offset. ``length`` entries are > 0.
+    """
+
+    op: Op
+    transfer_id: int
+    peer: Any  # the object this backend returned from ``connect``
+    peer_name: str
+    local_region: np.ndarray  # int64 region ids
+    local_offset: np.ndarray  # uint64
+    local_addr: np.ndarray  # uint64
+    remote_region: np.ndarray  # int64 region ids (the peer's ids)
+    remote_offset: np.ndarray  # uint64
+    remote_addr: np.ndarray  # uint64
+    length: np.ndarray  # uint64
+    notify: bytes | None = None
+    #: Monotonic-clock deadline; the core enforces it, a backend may use it as a hint.
+    deadline: float = float("inf")
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+
+class PollState(enum.Enum):
+    PENDING = "PENDING"
+    DONE = "DONE"
+    FAILED = "FAILED"
+
+
+@dataclass(frozen=True)
+class PollResult:
+    """What the backend knows about one posted transfer.
+
+    ``quiesced`` matters only for FAILED: True when the backend guarantees that no
+    more bytes of this transfer can land (so the memory may be reused).
+    """
+
+    state: PollState
+    reason: str = ""
+    quiesced: bool = True
+
+    @classmethod
+    def pending(cls) -> PollResult:
+        return _PENDING
+
+    @classmethod
+    def done(cls) -> PollResult:
+        return _DONE
+
+    @classmethod
+    def failed(cls, reason: str, quiesced: bool = True) -> PollResult:
+        return cls(PollState.FAILED, reason, quiesced)
+
+
+_PENDING = PollResult(PollState.PENDING)
+_DONE = PollResult(PollState.DONE)
+
+
+class Backend(abc.ABC):
+    """Base class of every transport. Subclasses set ``name`` and ``capabilities``.
+
+    Constructed by the core as ``Backend(agent_name, options)`` where ``options`` is the
+    ``**options`` mapping given to :func:`kvtransport.open` minus the core's own keys.
+    A backend must reject unknown options with ``kvtransport.errors.BackendOptionError``.
+    """
+
+    name: ClassVar[str] = ""
+    #: Backend wire/blob version; peers with another version are refused by the core.
+    version: ClassVar[str] = "1"
+    capabilities: ClassVar[Capabilities] = Capabilities()
+
+    @classmethod
+    def probe(cls) -> Availability:
+        """Can this backend run here? Must be cheap and must not raise."""
+        return Availability(True)
+
+    def __init__(self, agent_name: str, options: Mapping[str, Any]) -> None:
+        self.agent_name = agent_name
+        self.options = dict(options)
+
+    # -- memory ---------------------------------------------------------------
+    @abc.abstractmethod
+    def register(self, region: LocalRegion) -> bytes:
+        """Make ``region`` accessible to peers; return the blob peers need for it."""
+
+    @abc.abstractmethod
+    def deregister(self, region: LocalRegion) -> None:
+        """Undo ``register``. The core calls it only when no transfer uses the region."""
+
+    # -- peers ----------------------------------------------------------------
+    @abc.abstractmethod
+    def export(self) -> bytes:
+        """Agent-level blob peers need to reach this agent (address, pid, ...)."""
+
+    @abc.abstractmethod
+    def connect(self, peer_name: str, blob: bytes, regions: Sequence[RemoteRegion]) -> Any:
+        """Open a connection to a peer. May be called again for the same ``peer_name``
+        (peer re-exported or restarted): the new call replaces the old connection.
+        Raise ``kvtransport.errors.PeerMetadataError`` on a blob it cannot use."""
+
+    def disconnect(self, peer: Any) -> None:
+        """Forget a peer. Pending transfers to it must end (FAILED, quiesced if possible)."""
+
+    # -- data path ------------------------------------------------------------
+    @abc.abstractmethod
+    def post(self, req: PostRequest) -> Any:
+        """Start moving ``req``; return a handle for ``poll``. Must not block on the
+        transfer itself. Raise any exception to fail the transfer at once."""
+
+    @abc.abstractmethod
+    def poll(self, handle: Any) -> PollResult:
+        """Report the state of a posted transfer; must not block."""
+
+    def cancel(self, handle: Any) -> bool:
+        """Stop a transfer the core has failed (deadline, peer failure). Return True
+        when no more bytes of it can land; False if that cannot be promised yet
+        (the core then keeps polling ``quiesce`` until it is)."""
+        return False
+
+    def quiesced(self, handle: Any) -> bool:
+        """After a False ``cancel``: can the backend now promise nothing more lands?"""
+        return self.poll(handle).state is not PollState.PENDING
+
+    def release(self, handle: Any) -> None:
+        """The core is done with ``handle``; free backend resources."""
+
+    # -- notifications --------------------------------------------------------
+    @abc.abstractmethod
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """Return and forget ``(peer_name, payload)`` messages received so far."""
+
+    def send_notification(self, peer: Any, payload: bytes) -> None:
+        """Send a standalone message to a connected peer (no data)."""
+        raise NotImplementedError(f"backend {self.name!r} cannot send standalone notifications")
+
+    # -- lifetime -------------------------------------------------------------
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release everything. Pending transfers end FAILED."""
+
+    # -- introspection --------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        """Free-form facts for ``kvtransport backends`` and logs (transport in use, ...)."""
+        return {}
+
