@@ -190,6 +190,8 @@ class Backend(abc.ABC):
     #: Backend wire/blob version; peers with another version are refused by the core.
     version: ClassVar[str] = "1"
     capabilities: ClassVar[Capabilities] = Capabilities()
+    #: Option sets the conformance suite runs this backend with (e.g. one per transport).
+    conformance_options: ClassVar[tuple[Mapping[str, Any], ...]] = ({},)
 
     @classmethod
     def probe(cls) -> Availability:
