@@ -339,6 +339,28 @@ class Agent:
 
     def _post(self, op: Op, peer: Peer, local: Segments, remote: Segments,
               notify: bytes | None, timeout: float | None) -> Transfer:
+        timeout_s = self.config.default_timeout_s if timeout is None else float(timeout)
+        if timeout_s <= 0:
+            raise InvalidSegmentsError(f"timeout must be positive, got {timeout_s}")
+        with self._lock:
+            req = self.prepare(op, peer, local, remote, notify=notify, timeout=timeout_s)
+            t = Transfer(self, req.transfer_id, op, peer, req.nbytes, int(req.length.size),
+                         np.unique(req.local_region), req.deadline)
+            self._stats["transfers_posted"] += 1
+            self._stats["segments_posted"] += len(local)
+            self._stats["segments_merged"] += int(req.length.size)
+            self._pending[t.id] = t
+            try:
+                t._handle = self._backend.post(req)
+            except Exception as exc:  # a backend refusal fails the transfer, once, visibly
+                self._fail(t, f"backend {self.backend_name!r} refused the post: "
+                              f"{type(exc).__name__}: {exc}", quiesced=True)
+            return t
+
+    def prepare(self, op: Op, peer: Peer, local: Segments, remote: Segments, *,
+                notify: bytes | None = None, timeout: float | None = None) -> PostRequest:
+        """Validate and merge a transfer without posting it (T4): what ``read``/``write``
+        hand the backend. Raises the same typed errors they raise; moves nothing."""
         caps = self._backend.capabilities
         if (op is Op.READ and not caps.read) or (op is Op.WRITE and not caps.write):
             raise BackendOptionError(f"backend {self.backend_name!r} does not support {op.name}")
@@ -363,11 +385,9 @@ class Agent:
                 f"segment {i}: local length {int(local.length[i])} != remote length "
                 f"{int(remote.length[i])}; paired segments must have equal lengths"
             )
-        if (local.length == 0).any():
+        if not local.length.all():
             raise InvalidSegmentsError("segment lengths must be positive")
         timeout_s = self.config.default_timeout_s if timeout is None else float(timeout)
-        if timeout_s <= 0:
-            raise InvalidSegmentsError(f"timeout must be positive, got {timeout_s}")
         with self._lock:
             self._check_open()
             if self._peers.get(peer.name) is not peer:
@@ -378,24 +398,8 @@ class Agent:
             lr, lo, rr, ro, ln = merge_pairs(local, remote)
             laddr = self._local_index.resolve(lr, lo, ln, "local", f"agent {self.name!r}")
             raddr = peer._index.resolve(rr, ro, ln, "remote", f"peer {peer.name!r}")
-            tid = next(self._tids)
-            deadline = time.monotonic() + timeout_s
-            req = PostRequest(op, tid, peer._handle, peer.name, lr, lo, laddr, rr, ro, raddr, ln,
-                              notify, deadline)
-            nbytes = int(ln.sum())
-            t = Transfer(self, tid, op, peer, nbytes, int(ln.size), np.unique(lr), deadline)
-            self._stats["transfers_posted"] += 1
-            self._stats["segments_posted"] += len(local)
-            self._stats["segments_merged"] += int(ln.size)
-            try:
-                t._handle = self._backend.post(req)
-            except Exception as exc:  # a backend refusal fails the transfer, once, visibly
-                self._pending[tid] = t
-                self._fail(t, f"backend {self.backend_name!r} refused the post: "
-                              f"{type(exc).__name__}: {exc}", quiesced=True)
-                return t
-            self._pending[tid] = t
-            return t
+            return PostRequest(op, next(self._tids), peer._handle, peer.name, lr, lo, laddr,
+                               rr, ro, raddr, ln, notify, time.monotonic() + timeout_s)
 
     # -- progress -------------------------------------------------------------
     def _progress_transfer(self, t: Transfer) -> None:
