@@ -1,0 +1,1 @@
+"""kvtransport_moriio."""
