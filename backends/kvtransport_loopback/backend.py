@@ -129,8 +129,11 @@ class LoopbackBackend(Backend):
         self.pid = os.getpid()
         self.start_time = cma.process_start_time(self.pid)
         self.boot_id = _boot_id()
-        ndir = options.get("notify_dir") or tempfile.gettempdir()
-        self._ipc_path = os.path.join(ndir, f"kvt-lb-{uuid.uuid4().hex}.sock")
+        # A private (0700) directory: only this user can connect to the notification
+        # socket. (Same-user processes can read our memory through CMA anyway.)
+        self._own_dir = None if options.get("notify_dir") else tempfile.mkdtemp(prefix="kvt-lb-")
+        ndir = options.get("notify_dir") or self._own_dir
+        self._ipc_path = os.path.join(ndir, f"{uuid.uuid4().hex[:16]}.sock")
         self.notify_addr = f"ipc://{self._ipc_path}"
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
@@ -337,10 +340,12 @@ class LoopbackBackend(Backend):
         self._notifier.shutdown(wait=True)
         self._pull.close(0)
         self._ctx.term()
-        try:
-            os.unlink(self._ipc_path)
-        except OSError:
-            pass
+        for path, rm in ((self._ipc_path, os.unlink), (self._own_dir, os.rmdir)):
+            try:
+                if path:
+                    rm(path)
+            except OSError:
+                pass
 
     def describe(self) -> dict[str, Any]:
         return {"cross_process": self.cma_ok, "cross_process_reason": self.cma_reason,
