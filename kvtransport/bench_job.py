@@ -7,7 +7,8 @@ paged caches lie). Each request moves ``blocks_per_request`` scattered blocks in
 part. Block contents are a cheap deterministic function of (request, part, block) so the
 receiver recomputes what must have arrived and compares every byte.
 
-The two processes hand-shake over a ZMQ side channel (REQ/REP, msgspec messages):
+The two processes hand-shake over a ZMQ side channel (REQ/REP, msgspec messages, each
+sealed with the run's shared secret by ``kvtransport.auth``):
 decode connects to prefill, they swap agent metadata and layouts, then per request:
 READ — prefill fills blocks and names them, decode pulls with one batched READ and
 confirms; WRITE — decode names its free blocks, prefill fills and pushes with one
@@ -17,6 +18,7 @@ batched WRITE plus a notification, decode verifies on the notification.
 from __future__ import annotations
 
 import multiprocessing as mp
+import secrets
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -24,6 +26,8 @@ from typing import Any
 import msgspec
 import numpy as np
 import zmq
+
+from .auth import AuthError, Authenticator
 
 __all__ = ["BenchConfig", "ModeResult", "run_bench"]
 
@@ -42,6 +46,8 @@ class BenchConfig:
     timeout_s: float = 60.0
     port: int = 0
     seed: int = 0
+    #: Cluster secret for the side channel; run_bench makes a random one per run.
+    secret: bytes = b""
 
     @property
     def layer_bytes(self) -> int:
@@ -161,18 +167,27 @@ def _open(cfg: BenchConfig, name: str):
 
 
 def _prefill_main(cfg: BenchConfig, port_q) -> None:  # pragma: no cover - child process
-    agent = _open(cfg, "bench-prefill")
-    cache = KVCache(agent, cfg)
+    try:
+        agent = _open(cfg, "bench-prefill")
+        cache = KVCache(agent, cfg)
+    except Exception as exc:
+        port_q.put(f"{type(exc).__name__}: {exc}")
+        return
     ctx = zmq.Context()
     sock = ctx.socket(zmq.REP)
     sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
     port = sock.bind_to_random_port("tcp://127.0.0.1") if not cfg.port else (sock.bind(f"tcp://127.0.0.1:{cfg.port}") or cfg.port)
     port_q.put(port)
     rng = np.random.default_rng(cfg.seed + 1)
+    auth = Authenticator(cfg.secret, "kvtransport-bench")
     peer = None
     try:
         while True:
-            msg = _dec.decode(sock.recv())
+            try:
+                msg = _dec.decode(auth.open(sock.recv(), "req"))
+            except (AuthError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+                sock.send(auth.seal(_enc.encode(Result(False, f"refused: {exc}")), "rep"))
+                continue
             if isinstance(msg, Hello):
                 peer = agent.connect(msg.metadata)
                 reply: Any = Result(True, metadata=agent.metadata())
@@ -199,11 +214,11 @@ def _prefill_main(cfg: BenchConfig, port_q) -> None:  # pragma: no cover - child
                 reply = Result(st.ok, st.reason, t.latency_s or 0.0)
                 t.release()
             elif isinstance(msg, Bye):
-                sock.send(_enc.encode(Result(True)))
+                sock.send(auth.seal(_enc.encode(Result(True)), "rep"))
                 break
             else:
                 reply = Result(False, f"unexpected {type(msg).__name__}")
-            sock.send(_enc.encode(reply))
+            sock.send(auth.seal(_enc.encode(reply), "rep"))
     finally:
         sock.close(0)
         ctx.term()
@@ -218,9 +233,11 @@ def _decode_main(cfg: BenchConfig, port: int, progress_q) -> None:  # pragma: no
     sock.setsockopt(zmq.RCVTIMEO, int(cfg.timeout_s * 1000) + 5000)
     sock.connect(f"tcp://127.0.0.1:{port}")
 
+    auth = Authenticator(cfg.secret, "kvtransport-bench")
+
     def rpc(m: Any) -> Any:
-        sock.send(_enc.encode(m))
-        return _dec.decode(sock.recv())
+        sock.send(auth.seal(_enc.encode(m), "req"))
+        return _dec.decode(auth.open(sock.recv(), "rep"))
 
     rng = np.random.default_rng(cfg.seed + 2)
     try:
@@ -283,6 +300,14 @@ def _decode_main(cfg: BenchConfig, port: int, progress_q) -> None:  # pragma: no
 
 def run_bench(cfg: BenchConfig, on_step=None) -> tuple[list[ModeResult], dict[str, Any]]:
     """Start both processes, wait for the result. ``on_step(mode, measured)`` per request."""
+    from .errors import BackendUnavailableError
+    from .registry import load_backend_class, probe_class
+
+    av = probe_class(load_backend_class(cfg.backend))  # unknown name: BackendNotFoundError now
+    if not av.usable:
+        raise BackendUnavailableError(cfg.backend, av.reason, av.install_hint)
+    if not cfg.secret:
+        cfg.secret = secrets.token_bytes(32)
     ctx = mp.get_context("spawn")
     port_q = ctx.Queue()
     progress_q = ctx.Queue()
@@ -293,6 +318,9 @@ def run_bench(cfg: BenchConfig, on_step=None) -> tuple[list[ModeResult], dict[st
     except Exception:
         prefill.kill()
         raise RuntimeError("prefill process did not start (see its error output above)") from None
+    if isinstance(port, str):
+        prefill.join(10)
+        raise RuntimeError(f"prefill process failed: {port}")
     decode = ctx.Process(target=_decode_main, args=(cfg, port, progress_q), daemon=True)
     decode.start()
     try:

@@ -65,7 +65,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         results, stats = run_bench(cfg, on_step)
     failed = sum(r.failed for r in results)
     if args.json:
-        print(json.dumps({"config": {k: v for k, v in vars(cfg).items()},
+        print(json.dumps({"config": {k: v for k, v in vars(cfg).items() if k != "secret"},
                           "results": [vars(r) for r in results], "decode_agent_stats": stats}, indent=2))
     else:
         table = Table(title=f"{cfg.backend}: prefill <-> decode, every byte verified")
