@@ -13,6 +13,7 @@ __all__ = ["main"]
 
 def _cmd_backends(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from .registry import available_backends
@@ -27,8 +28,8 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     for col in ("backend", "usable", "notes / reason", "install hint", "entry point"):
         table.add_column(col, overflow="fold")
     for i in infos:
-        table.add_row(i.name, "[green]yes[/]" if i.usable else "[red]no[/]", i.reason or "-",
-                      i.install_hint or "-", i.entry_point)
+        table.add_row(escape(i.name), "[green]yes[/]" if i.usable else "[red]no[/]",
+                      escape(i.reason or "-"), escape(i.install_hint or "-"), escape(i.entry_point))
     Console(width=max(130, Console().width)).print(table)
     return 0
 
