@@ -193,9 +193,13 @@ class Agent:
             raise AgentClosedError(self.name)
 
     # -- memory ---------------------------------------------------------------
-    def register(self, buf: Any, kind: str | None = None) -> MemoryRegion:
-        """Register memory so peers can read or write it; returns its region."""
-        addr, length, mkind, device, owner = describe_buffer(buf, kind)
+    def register(self, buf: Any, kind: str | None = None, device: int | None = None) -> MemoryRegion:
+        """Register memory so peers can read or write it; returns its region.
+
+        ``buf`` is a numpy array, a torch tensor (kind and device read from it), a writable
+        buffer, or a raw ``(address, length)`` pair — for which ``kind`` ("cpu", "cuda",
+        "rocm") and, for device memory, ``device`` must be given."""
+        addr, length, mkind, device, owner = describe_buffer(buf, kind, device)
         with self._lock:
             self._check_open()
             if mkind not in self._backend.capabilities.memory_kinds:

@@ -65,7 +65,8 @@ def _torch_kind(tensor: Any) -> tuple[str, int]:
     return str(dev.type), int(dev.index or 0)
 
 
-def describe_buffer(buf: Any, kind: str | None = None) -> tuple[int, int, str, int, Any]:
+def describe_buffer(buf: Any, kind: str | None = None, device: int | None = None
+                    ) -> tuple[int, int, str, int, Any]:
     """Return ``(addr, length, kind, device, owner)`` for a registrable buffer.
 
     Raises :class:`InvalidSegmentsError` for what cannot be registered safely
@@ -77,7 +78,12 @@ def describe_buffer(buf: Any, kind: str | None = None) -> tuple[int, int, str, i
             raise InvalidSegmentsError(
                 f"raw region (address={addr}, length={length}) needs a positive address and length"
             )
-        return addr, length, kind or "cpu", -1, None
+        mkind = kind or "cpu"
+        if mkind != "cpu" and (device is None or device < 0):
+            raise InvalidSegmentsError(
+                f"raw {mkind!r} region needs its device index: register((addr, len), kind={mkind!r}, device=N)"
+            )
+        return addr, length, mkind, -1 if device is None else int(device), None
     if hasattr(buf, "data_ptr") and hasattr(buf, "element_size"):  # torch.Tensor
         if not buf.is_contiguous():
             raise InvalidSegmentsError(
