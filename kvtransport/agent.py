@@ -18,7 +18,9 @@ NIXL's agent; backends that need background progress run their own thread.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 import secrets
 import threading
 import time
@@ -137,6 +139,20 @@ class _RegionIndex:
                 f"region {int(region[i])} of {int(rlen[i])} bytes on {owner}"
             )
         return self.addrs[idx_c] + offset
+
+    def addresses(self, region: np.ndarray, offset: np.ndarray) -> np.ndarray:
+        """Absolute addresses of segments already checked by ``resolve``."""
+        return self.addrs[np.searchsorted(self.ids, region)] + offset
+
+
+def _check_timeout(value: Any) -> float:
+    try:
+        t = float(value)
+    except (TypeError, ValueError):
+        raise InvalidSegmentsError(f"timeout must be a number of seconds, got {value!r}") from None
+    if not math.isfinite(t) or t <= 0:
+        raise InvalidSegmentsError(f"timeout must be a positive, finite number of seconds, got {value!r}")
+    return t
 
 
 class Agent:
@@ -343,9 +359,7 @@ class Agent:
 
     def _post(self, op: Op, peer: Peer, local: Segments, remote: Segments,
               notify: bytes | None, timeout: float | None) -> Transfer:
-        timeout_s = self.config.default_timeout_s if timeout is None else float(timeout)
-        if timeout_s <= 0:
-            raise InvalidSegmentsError(f"timeout must be positive, got {timeout_s}")
+        timeout_s = _check_timeout(self.config.default_timeout_s if timeout is None else timeout)
         with self._lock:
             req = self.prepare(op, peer, local, remote, notify=notify, timeout=timeout_s)
             t = Transfer(self, req.transfer_id, op, peer, req.nbytes, int(req.length.size),
@@ -391,7 +405,7 @@ class Agent:
             )
         if not local.length.all():
             raise InvalidSegmentsError("segment lengths must be positive")
-        timeout_s = self.config.default_timeout_s if timeout is None else float(timeout)
+        timeout_s = _check_timeout(self.config.default_timeout_s if timeout is None else timeout)
         with self._lock:
             self._check_open()
             if self._peers.get(peer.name) is not peer:
@@ -399,9 +413,15 @@ class Agent:
                     f"peer {peer.name!r} is not connected to {self.name!r} (never connected, "
                     "disconnected or replaced by a newer connect); connect() it first"
                 )
+            # Range checks on the caller's segments (errors name the caller's index),
+            # then merging of what is known to be valid.
+            self._local_index.resolve(local.region, local.offset, local.length, "local",
+                                      f"agent {self.name!r}")
+            peer._index.resolve(remote.region, remote.offset, remote.length, "remote",
+                                f"peer {peer.name!r}")
             lr, lo, rr, ro, ln = merge_pairs(local, remote)
-            laddr = self._local_index.resolve(lr, lo, ln, "local", f"agent {self.name!r}")
-            raddr = peer._index.resolve(rr, ro, ln, "remote", f"peer {peer.name!r}")
+            laddr = self._local_index.addresses(lr, lo)
+            raddr = peer._index.addresses(rr, ro)
             return PostRequest(op, next(self._tids), peer._handle, peer.name, lr, lo, laddr,
                                rr, ro, raddr, ln, notify, time.monotonic() + timeout_s)
 
@@ -497,6 +517,8 @@ class Agent:
             return msgs
 
     def send_notification(self, peer: Peer, payload: bytes) -> None:
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            raise InvalidSegmentsError(f"notification payload must be bytes, got {type(payload).__name__}")
         with self._lock:
             self._check_open()
             if self._peers.get(peer.name) is not peer:
@@ -554,7 +576,7 @@ def open_agent(backend: str = "loopback", *, name: str | None = None,
     ``max_metadata_bytes``, ``layout``, ``faults``; every other keyword is a backend
     option, passed to the backend unchanged.
     """
-    cfg = config or AgentConfig()
+    cfg = dataclasses.replace(config) if config is not None else AgentConfig()
     core = {k: options.pop(k) for k in list(options) if k in _CORE_OPTIONS}
     for k, v in core.items():
         setattr(cfg, k, plan_from_options(v) if k == "faults" else v)
@@ -562,6 +584,7 @@ def open_agent(backend: str = "loopback", *, name: str | None = None,
         cfg.name = name
     if cfg.name is None:
         cfg.name = f"{backend}-{secrets.token_hex(4)}"
+    _check_timeout(cfg.default_timeout_s)
     cls = load_backend_class(backend)
     av = probe_class(cls)
     if not av.usable:

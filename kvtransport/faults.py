@@ -135,6 +135,8 @@ class FaultInjectingBackend(Backend):
         return _Injected(inner, "pass", 0.0, req.peer_name)
 
     def poll(self, handle: _Injected) -> PollResult:
+        if handle.kind == "hang" and handle.peer_name in self._killed:
+            return PollResult.failed(f"peer {handle.peer_name!r} is dead (injected)")
         if handle.kind == "fail":
             return PollResult.failed("injected failure (fault plan)")
         if handle.kind == "dead":

@@ -98,6 +98,6 @@ def decode_metadata(data: bytes, max_bytes: int = MAX_METADATA_BYTES) -> AgentMe
     if len(set(ids)) != len(ids):
         raise PeerMetadataError("malformed peer metadata: duplicate region ids")
     for r in md.regions:
-        if r.addr + r.length >= 1 << 64:
-            raise PeerMetadataError(f"malformed peer metadata: region {r.id} wraps the address space")
+        if r.addr + r.length > (1 << 63) - 1:
+            raise PeerMetadataError(f"malformed peer metadata: region {r.id} ends past the address space")
     return md

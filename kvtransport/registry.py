@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
 
 import stevedore
-from stevedore.exception import NoMatches
+from stevedore.exception import MultipleMatches, NoMatches
 
-from .errors import BackendNotFoundError, BackendUnavailableError
+from .errors import BackendNotFoundError, BackendUnavailableError, KVTransportError
 from .spi import Availability, Backend, Capabilities
 
 __all__ = ["NAMESPACE", "BackendInfo", "installed_backends", "load_backend_class", "available_backends"]
@@ -63,10 +63,27 @@ def load_backend_class(name: str) -> type[Backend]:
     def on_failure(_manager, _ep, exc):  # stevedore swallows import errors by default
         failures.append(exc)
 
-    try:
-        mgr = stevedore.DriverManager(
+    def driver_manager() -> stevedore.DriverManager:
+        return stevedore.DriverManager(
             NAMESPACE, name, invoke_on_load=False, on_load_failure_callback=on_failure
         )
+
+    try:
+        try:
+            mgr = driver_manager()
+        except NoMatches:
+            if failures or name not in installed_backends():
+                raise
+            # Installed after this process first looked: stevedore caches each group
+            # for the life of the process. Forget the cached group and look again.
+            stevedore.ExtensionManager.ENTRY_POINT_CACHE.pop(NAMESPACE, None)
+            mgr = driver_manager()
+    except MultipleMatches:
+        targets = [ep.value for ep in importlib_metadata.entry_points(group=NAMESPACE) if ep.name == name]
+        raise BackendUnavailableError(
+            name, f"declared by several installed packages ({', '.join(targets)})",
+            "uninstall all but one of them",
+        ) from None
     except NoMatches:
         if failures:
             exc = failures[0]
@@ -99,6 +116,9 @@ def available_backends() -> list[BackendInfo]:
             cls = load_backend_class(name)
         except BackendUnavailableError as exc:
             infos.append(BackendInfo(name, False, exc.reason, exc.install_hint, "", None, target))
+            continue
+        except KVTransportError as exc:  # one broken entry must not hide the others
+            infos.append(BackendInfo(name, False, str(exc), "", "", None, target))
             continue
         av = probe_class(cls)
         infos.append(

@@ -1,0 +1,109 @@
+"""Loopback specifics: a peer is identified by pid *and* process start time, so a dead
+peer is refused at connect and a recycled pid is never taken for the peer that
+exported its memory. The peer is a real agent in a child process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import msgspec
+import numpy as np
+import pytest
+
+import kvtransport as kvt
+from kvtransport import errors
+from kvtransport import metadata as md
+
+CHILD = """
+import sys, numpy as np, kvtransport as kvt
+a = kvt.open("loopback", name="child")
+buf = np.arange(4096, dtype=np.uint32).view(np.uint8)
+a.register(buf)
+sys.stdout.write(a.metadata().hex() + "\\n")
+sys.stdout.flush()
+sys.stdin.read()  # serve until the parent closes our stdin (or kills us)
+"""
+
+
+@pytest.fixture
+def child():
+    proc = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line, "child agent did not start"
+        yield proc, bytes.fromhex(line.strip())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def _with_blob(metadata: bytes, **changes) -> bytes:
+    """The same metadata with fields of the loopback blob (pid, start_time, boot_id,
+    notify_addr) changed."""
+    m = md.decode_metadata(metadata)
+    pid, start, boot, addr = msgspec.msgpack.decode(m.blob)
+    fields = {**dict(pid=pid, start_time=start, boot_id=boot, notify_addr=addr), **changes}
+    blob = msgspec.msgpack.encode([fields["pid"], fields["start_time"], fields["boot_id"], fields["notify_addr"]])
+    return md.encode_metadata(msgspec.structs.replace(m, blob=blob))
+
+
+def test_recycled_pid_refused_by_start_time(child):
+    proc, good = child
+    start = msgspec.msgpack.decode(md.decode_metadata(good).blob)[1]
+    with kvt.open("loopback", name="parent") as a:
+        # Same pid, another start time: what a recycled pid looks like. Refused.
+        with pytest.raises(errors.PeerMetadataError, match=f"pid {proc.pid}.*no longer running"):
+            a.connect(_with_blob(good, start_time=start + 1))
+        assert a.peers == {} and a.stats()["peers_refused"] == 1
+        # The genuine metadata connects, and (with CMA) bytes move from the child.
+        dst = np.zeros(4 * 4096, np.uint8)
+        r = a.register(dst)
+        peer = a.connect(good)
+        assert peer.name == "child"
+        if not a.describe()["cross_process"]:
+            pytest.skip(f"cross-process loopback unavailable: {a.describe()['cross_process_reason']}")
+        assert a.read(peer, r.whole(), peer.regions[0].whole()).wait(10).ok
+        assert np.array_equal(dst.view(np.uint32), np.arange(4096, dtype=np.uint32))
+
+
+def test_dead_peer_refused_at_connect_and_fails_fast_when_connected(child):
+    proc, good = child
+    with kvt.open("loopback", name="parent2") as a:
+        dst = np.zeros(4 * 4096, np.uint8)
+        r = a.register(dst)
+        peer = a.connect(good)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        # Already connected: the next transfer fails at once (detects_peer_failure), not at
+        # its 30 s deadline.
+        t = a.read(peer, r.whole(), peer.regions[0].whole(), timeout=30)
+        st = t.wait(5)
+        assert st.state is kvt.State.FAILED and "gone" in st.reason, st
+        assert not dst.any()
+    with kvt.open("loopback", name="parent3") as b:
+        with pytest.raises(errors.PeerMetadataError, match=f"pid {proc.pid}.*no longer running"):
+            b.connect(good)
+        assert b.peers == {}
+
+
+def test_other_host_refused(child):
+    _, good = child
+    with kvt.open("loopback", name="parent4") as a:
+        with pytest.raises(errors.IncompatiblePeerError, match="another host"):
+            a.connect(_with_blob(good, boot_id="00000000-not-this-boot"))
+
+
+def test_malformed_loopback_blob_refused(child):
+    _, good = child
+    m = md.decode_metadata(good)
+    with kvt.open("loopback", name="parent5") as a:
+        for blob in (b"", b"\x93\x01\x02\x03", msgspec.msgpack.encode(["x", 1, "b", "ipc://y"])):
+            with pytest.raises(errors.PeerMetadataError, match="malformed loopback blob"):
+                a.connect(md.encode_metadata(msgspec.structs.replace(m, blob=blob)))
+        with pytest.raises(errors.PeerMetadataError, match="non-ipc"):
+            a.connect(_with_blob(good, notify_addr="tcp://10.0.0.1:5555"))
