@@ -1,0 +1,106 @@
+"""Backend options of ``kvt.open("ucx", **options)`` and how they map to UCX configuration.
+
+The transport list is applied per UCP context with ``ucp_config_modify`` (not through the
+process environment), so two agents in one process may use different transports.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtransport.errors import BackendOptionError
+
+#: Friendly names for ``tls``; anything else is passed to UCX_TLS verbatim.
+TLS_ALIASES = {
+    "tcp": "tcp",
+    "shm": "sysv,posix,cma",  # shared memory for messages, cma (process_vm_readv/writev) for RMA
+    "cma+tcp": "cma,tcp",  # same host: cma for RMA, tcp for messages, so UCX reports peer failure
+}
+#: UCX settings we change from UCX's defaults (a user's ``ucx_config`` overrides them).
+#: RNDV_THRESH=inf: with UCX 1.22 and peer error handling, RMA is otherwise emulated with
+#: active messages over tcp even between processes of one host; with it, ``ucp_put/get``
+#: use the zero-copy lanes (cma on one host, tcp put_zcopy across hosts). Measured, see
+#: docs/UCX.md. It only affects the AM/tag rendezvous protocol, which this backend does not use.
+DEFAULT_UCX_CONFIG = {"RNDV_THRESH": "inf"}
+#: Transports that cannot report a dead peer (no UCP_ERR_HANDLING_MODE_PEER support).
+_NO_PEER_FAILURE = {"sm", "shm", "sysv", "posix", "mm", "self", "knem", "xpmem"}
+_TLS_RE = re.compile(r"^\^?[a-z0-9_]+(,[a-z0-9_]+)*$")
+_KEY_RE = re.compile(r"^[A-Z0-9_]+$")
+
+KNOWN = ("tls", "err_mode", "net_devices", "progress", "ucx_config", "liveness_interval_s",
+         "cancel_grace_s")
+
+
+@dataclass(frozen=True)
+class UcxOptions:
+    tls: str | None = None  # resolved UCX_TLS value; None = UCX default / UCX_TLS from env
+    err_mode: str = "peer"  # "peer" | "none"
+    net_devices: str | None = None
+    progress: str = "thread"  # "thread" (sleeps on the worker fd) | "busy" (spins)
+    ucx_config: dict[str, str] = field(default_factory=dict)
+    liveness_interval_s: float = 0.2
+    cancel_grace_s: float = 2.0
+
+    def ucx_settings(self) -> dict[str, str]:
+        cfg = {**DEFAULT_UCX_CONFIG, **self.ucx_config}
+        if self.tls is not None:
+            cfg["TLS"] = self.tls
+        if self.net_devices is not None:
+            cfg["NET_DEVICES"] = self.net_devices
+        return cfg
+
+
+def _err(msg: str) -> BackendOptionError:
+    return BackendOptionError(f"ucx backend: {msg}")
+
+
+def parse_options(options: Mapping[str, Any]) -> UcxOptions:
+    unknown = sorted(set(options) - set(KNOWN))
+    if unknown:
+        raise _err(f"unknown option(s) {unknown}; known options are {list(KNOWN)}")
+    tls = options.get("tls")
+    if tls is not None:
+        if not isinstance(tls, str) or not tls:
+            raise _err(f"tls must be a string such as 'tcp', 'shm', 'cma+tcp' or 'sysv,posix,cma', got {tls!r}")
+        tls = TLS_ALIASES.get(tls, tls)
+        if tls in ("auto", "all"):
+            tls = None if tls == "auto" else "all"
+        elif not _TLS_RE.match(tls):
+            raise _err(f"tls={tls!r} is not a comma-separated UCX transport list (e.g. 'tcp', 'sysv,posix,cma')")
+    listed = set((tls or "").lstrip("^").split(",")) - {""}
+    default_mode = "none" if listed and not tls.startswith("^") and listed <= _NO_PEER_FAILURE | {"cma"} \
+        else "peer"
+    err_mode = options.get("err_mode", "auto")
+    if err_mode == "auto":
+        err_mode = default_mode
+    if err_mode not in ("peer", "none"):
+        raise _err(f"err_mode must be 'auto', 'peer' or 'none', got {err_mode!r}")
+    if err_mode == "peer" and default_mode == "none":
+        raise _err(f"err_mode='peer' needs a transport that reports peer failure (tcp, verbs); "
+                   f"tls={tls!r} has none. Use err_mode='auto' (liveness by pid for same-host peers) or tls='cma+tcp'")
+    progress = options.get("progress", "thread")
+    if progress not in ("thread", "busy"):
+        raise _err(f"progress must be 'thread' or 'busy', got {progress!r}")
+    net = options.get("net_devices")
+    if net is not None and (not isinstance(net, str) or not net):
+        raise _err(f"net_devices must be a UCX_NET_DEVICES string such as 'eth0' or 'all', got {net!r}")
+    extra = options.get("ucx_config") or {}
+    if not isinstance(extra, Mapping):
+        raise _err(f"ucx_config must be a mapping of UCX settings without the UCX_ prefix, got {extra!r}")
+    extra_s: dict[str, str] = {}
+    for k, v in extra.items():
+        key = str(k).upper().removeprefix("UCX_")
+        if not _KEY_RE.match(key):
+            raise _err(f"ucx_config key {k!r} is not a UCX setting name")
+        extra_s[key] = str(v)
+    try:
+        live = float(options.get("liveness_interval_s", 0.2))
+        grace = float(options.get("cancel_grace_s", 2.0))
+    except (TypeError, ValueError) as exc:
+        raise _err(f"liveness_interval_s and cancel_grace_s must be numbers: {exc}") from None
+    if live <= 0 or grace < 0:
+        raise _err("liveness_interval_s must be > 0 and cancel_grace_s >= 0")
+    return UcxOptions(tls, err_mode, net, progress, extra_s, live, grace)

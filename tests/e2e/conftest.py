@@ -1,0 +1,191 @@
+"""Session fixtures for the end-to-end tests: tiny model, baseline engine, disaggregated pairs.
+
+Start-up dominates the cost (a vLLM server takes ~30 s to come up on this machine),
+so engines are shared:
+
+* ``baseline`` -- one plain engine, started once, asked every prompt of every test
+  once, then stopped (its answers are the reference);
+* ``pair`` -- one prefill (``kv_producer``, CPU 0) + decode (``kv_consumer``, CPU 1)
+  + the example proxy per (backend, mode), reused by every test of that mode.
+
+Logs of every process go to files; when a test fails, the tails of the logs of all
+live servers are attached to the report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from . import harness, prompts
+from .tiny_model import build_tiny_model
+
+#: Processes currently running, for the failure report.
+_LIVE: list[harness.Proc] = []
+
+#: Connector settings shared by all pairs (kept small so failure tests finish quickly).
+TRANSFER_TIMEOUT_S = 8.0
+LEASE_S = 20.0
+
+#: What a failed remote load does, per mode: both policies get exercised.
+POLICY_BY_MODE = {"read": "recompute", "write": "fail"}
+
+
+# --------------------------------------------------------------------------- model
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def vocab_size(tiny_model) -> int:
+    return json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory) -> Path:
+    env = os.environ.get("KVT_E2E_LOG_DIR")
+    if env:
+        p = Path(env)
+        p.mkdir(parents=True, exist_ok=True)
+        return p
+    return tmp_path_factory.mktemp("e2e-logs")
+
+
+# --------------------------------------------------------------------------- baseline
+@pytest.fixture(scope="session")
+def baseline(tiny_model, vocab_size, log_dir) -> dict[tuple[int, ...], list[int]]:
+    """Greedy completions of every prompt set from ONE plain engine (no connector).
+
+    Returns ``{prompt_token_ids: completion_token_ids}``. The server is stopped
+    afterwards so the pairs get both cores.
+    """
+    server = harness.vllm_server("baseline", tiny_model, log_dir, cpu=0)
+    _LIVE.append(server)
+    try:
+        took = harness.start_all([server])
+        print(f"\n[e2e] baseline engine healthy after {took['baseline']:.1f}s")
+        client = prompts.client(server.url)
+        out: dict[tuple[int, ...], list[int]] = {}
+        for p, max_tokens in prompts.all_prompts(vocab_size):
+            out[tuple(p)] = prompts.complete(client, p, max_tokens)
+        # Greedy on one engine must be reproducible, or comparing engines proves nothing.
+        first = prompts.all_prompts(vocab_size)[0]
+        assert prompts.complete(client, *first) == out[tuple(first[0])], "baseline engine is not deterministic"
+        return out
+    finally:
+        server.stop()
+        _LIVE.remove(server)
+
+
+# --------------------------------------------------------------------------- pairs
+def _backend_usable(name: str) -> tuple[bool, str]:
+    import kvtransport as kvt
+
+    for info in kvt.available_backends():
+        if info.name == name:
+            return bool(info.usable), info.reason or ""
+    return False, f"backend {name!r} is not installed"
+
+
+def connector_config(role: str, mode: str, backend: str, side_port: int) -> dict:
+    policy = POLICY_BY_MODE[mode]
+    return {
+        "kv_connector": "KVTransportConnector",
+        "kv_connector_module_path": "kvtransport_vllm.connector",
+        "kv_role": role,
+        "kv_load_failure_policy": policy,
+        "kv_connector_extra_config": {
+            "backend": backend,
+            "mode": mode,
+            "side_channel_host": "127.0.0.1",
+            "side_channel_port": side_port,
+            "transfer_timeout_s": TRANSFER_TIMEOUT_S,
+            "lease_s": LEASE_S,
+            "load_failure_policy": policy,
+        },
+    }
+
+
+@dataclass
+class Pair:
+    """A running prefill engine, decode engine and proxy for one (backend, mode)."""
+
+    backend: str
+    mode: str
+    prefill: harness.VllmServer
+    decode: harness.VllmServer
+    proxy: harness.VllmServer
+    startup_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def policy(self) -> str:
+        return POLICY_BY_MODE[self.mode]
+
+    def begin_prefill_restart(self) -> None:
+        """Start a new prefill engine on the same HTTP and side-channel ports (not waiting)."""
+        assert not self.prefill.alive
+        self.prefill.stop()  # reap what is left of the old process group
+        self.prefill.start()
+
+    def ensure_prefill(self) -> None:
+        """Wait for a restarted prefill engine; restart it first if a test killed it."""
+        if self.prefill.proc is not None and self.prefill.proc.poll() is not None:
+            self.begin_prefill_restart()
+        self.prefill.wait_healthy(240)
+
+    def stop(self) -> None:
+        for s in (self.proxy, self.decode, self.prefill):
+            s.stop()
+
+
+PAIR_PARAMS = [
+    pytest.param(("loopback", "read"), id="loopback-read"),
+    pytest.param(("loopback", "write"), id="loopback-write"),
+    pytest.param(("ucx", "read"), id="ucx-read"),
+    pytest.param(("ucx", "write"), id="ucx-write"),
+]
+
+
+@pytest.fixture(scope="session", params=PAIR_PARAMS)
+def pair(request, tiny_model, log_dir, baseline):
+    backend, mode = request.param
+    usable, reason = _backend_usable(backend)
+    if not usable:
+        pytest.skip(f"kvtransport backend {backend!r} not usable here: {reason}")
+    tag = f"{backend}-{mode}"
+    pre_port, dec_port = harness.free_port(), harness.free_port()
+    prefill = harness.vllm_server(
+        f"prefill-{tag}", tiny_model, log_dir, cpu=0,
+        kv_transfer_config=connector_config("kv_producer", mode, backend, pre_port))
+    decode = harness.vllm_server(
+        f"decode-{tag}", tiny_model, log_dir, cpu=1,
+        kv_transfer_config=connector_config("kv_consumer", mode, backend, dec_port))
+    proxy = harness.proxy_process(f"proxy-{tag}", log_dir, prefill.url, decode.url,
+                                  prefill_timeout_s=60, decode_timeout_s=120)
+    procs = [prefill, decode, proxy]
+    _LIVE.extend(procs)
+    try:
+        took = harness.start_all(procs)
+        print(f"\n[e2e] {tag}: healthy after " + ", ".join(f"{k} {v:.1f}s" for k, v in took.items()))
+        p = Pair(backend, mode, prefill, decode, proxy, took)
+        yield p
+    finally:
+        for s in procs:
+            s.stop()
+            _LIVE.remove(s)
+
+
+# --------------------------------------------------------------------------- reporting
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.failed and _LIVE:
+        for proc in list(_LIVE):
+            rep.sections.append((f"log of {proc.name} ({proc.log_path})", proc.log_tail(4000)))

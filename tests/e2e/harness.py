@@ -1,0 +1,246 @@
+"""Process harness for the end-to-end tests: real ``vllm`` OpenAI servers as subprocesses.
+
+Why a harness of its own: every engine is a separate OS process tree (API server +
+EngineCore).  Tests must (a) never leave one running, (b) fail fast with the
+server's own log when it dies during start-up, and (c) be able to *kill* an engine
+abruptly (SIGKILL of the whole process group) to test peer death.
+
+Each server is started in a new session, so its process-group id is its pid and
+``os.killpg`` reaches the EngineCore child too -- and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 1024
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_env(cpu: int | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        # The tiny model needs almost no KV memory; 1 GiB is the smallest setting.
+        VLLM_CPU_KVCACHE_SPACE="1",
+        PYTHONUNBUFFERED="1",
+    )
+    if cpu is not None:
+        # One OpenMP thread pinned per engine: two engines share 2 cores fairly.
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
+    return env
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: SIGTERM this child when the test process dies, however it dies.
+
+    Without it a killed or timed-out pytest would leave engines running (and holding
+    ports and memory) until the machine is recycled. Linux only; elsewhere a no-op.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+class ServerDied(RuntimeError):
+    pass
+
+
+@dataclass
+class Proc:
+    """A subprocess in its own process group, logging to a file."""
+
+    name: str
+    cmd: list[str]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    _log_file: Any = field(default=None, repr=False)
+
+    def start(self) -> "Proc":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "ab")
+        self._log_file.write(f"\n=== start {self.name}: {' '.join(self.cmd)}\n".encode())
+        self._log_file.flush()
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(
+            self.cmd, env=self.env, stdout=self._log_file, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(REPO),
+            preexec_fn=_die_with_parent,
+        )
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n_chars: int = 6000) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "<no log>"
+        return text[-n_chars:]
+
+    def _signal_group(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)  # the group we created: this server only
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        """Abrupt death (SIGKILL to the whole group): what a crash looks like to peers."""
+        self._signal_group(signal.SIGKILL)
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """Orderly shutdown, escalating to SIGKILL; always reaps the whole group."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        # EngineCore children may outlive the API server: reap the group regardless.
+        self._signal_group(signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+
+@dataclass
+class VllmServer(Proc):
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_healthy(self, timeout_s: float = 240.0) -> float:
+        """Block until GET /health is 200; returns seconds since start(). Raises with the log if it dies."""
+        t0 = self.started_at
+        while time.monotonic() - t0 < timeout_s:
+            if not self.alive:
+                raise ServerDied(f"{self.name} exited with {self.proc.returncode} during start-up; "
+                                 f"log {self.log_path}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not healthy after {timeout_s}s; log {self.log_path}:\n"
+                           f"{self.log_tail()}")
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus text from /metrics -> {'name{labels}': value}."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            key, _, value = line.rpartition(" ")
+            try:
+                out[key] = float(value)
+            except ValueError:
+                continue
+        return out
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of all series of ``name`` whose labels include ``labels``."""
+        total = 0.0
+        for key, value in self.metrics().items():
+            m = re.fullmatch(r"([^{]+)(?:\{(.*)\})?", key)
+            if not m or m.group(1) != name:
+                continue
+            got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            if all(got.get(k) == v for k, v in labels.items()):
+                total += value
+        return total
+
+
+def vllm_server(name: str, model: Path, log_dir: Path, cpu: int | None,
+                kv_transfer_config: dict | None = None, extra_args: list[str] | None = None,
+                env_extra: dict[str, str] | None = None) -> VllmServer:
+    port = free_port()
+    cmd = [
+        PYTHON, "-m", "vllm.entrypoints.openai.api_server",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--model", str(model), "--served-model-name", "tiny",
+        "--dtype", "float32", "--block-size", str(BLOCK_SIZE),
+        "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
+        "--max-num-seqs", "64", "--seed", "0",
+    ]
+    if kv_transfer_config is not None:
+        cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+    cmd += extra_args or []
+    env = base_env(cpu)
+    env.update(env_extra or {})
+    return VllmServer(name=name, cmd=cmd, env=env, log_path=log_dir / f"{name}.log", port=port)
+
+
+def proxy_process(name: str, log_dir: Path, prefill_url: str, decode_url: str,
+                  prefill_timeout_s: float = 60.0, decode_timeout_s: float = 120.0) -> VllmServer:
+    """The documented example proxy (examples/disagg_proxy.py), run exactly as a user would."""
+    port = free_port()
+    cmd = [PYTHON, str(REPO / "examples" / "disagg_proxy.py"), "--port", str(port),
+           "--prefill", prefill_url, "--decode", decode_url,
+           "--prefill-timeout", str(prefill_timeout_s), "--decode-timeout", str(decode_timeout_s)]
+    return VllmServer(name=name, cmd=cmd, env=base_env(None), log_path=log_dir / f"{name}.log",
+                      port=port)
+
+
+def start_all(servers: list[VllmServer], timeout_s: float = 300.0) -> dict[str, float]:
+    """Start servers together (start-up is mostly imports) and wait for all; on failure stop all."""
+    for s in servers:
+        s.start()
+    took = {}
+    try:
+        for s in servers:
+            took[s.name] = s.wait_healthy(timeout_s)
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return took

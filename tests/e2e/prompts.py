@@ -1,0 +1,102 @@
+"""Deterministic prompt sets and an OpenAI-client helper for the end-to-end tests.
+
+Prompts are token-id lists (the completions API accepts them), so their lengths
+are exact: shorter than a KV block, exactly one block, one past it, many blocks.
+Each set uses its own seed, so no two sets share a prefix and a decode engine's
+local prefix cache never hides a remote load.
+"""
+
+from __future__ import annotations
+
+import random
+
+import openai
+
+from .harness import BLOCK_SIZE
+
+MAX_TOKENS = 12
+
+#: Acceptance 1: lengths around and across block boundaries.
+CORRECTNESS_LENGTHS = [5, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 2 * BLOCK_SIZE,
+                       7 * BLOCK_SIZE + 3, 20 * BLOCK_SIZE]
+N_CONCURRENT = 32
+N_KILL = 6
+
+
+def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(n)]  # 0..2 are <unk>, <s>, </s>
+
+
+def correctness_prompts(vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(1000 + seed)
+    return [_ids(rng, n, vocab) for n in CORRECTNESS_LENGTHS]
+
+
+def concurrent_prompts(vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(2000 + seed)
+    lengths = [rng.randint(1, 12 * BLOCK_SIZE) for _ in range(N_CONCURRENT - 4)]
+    lengths += [BLOCK_SIZE, 2 * BLOCK_SIZE, 3, 10 * BLOCK_SIZE]
+    return [_ids(rng, n, vocab) for n in lengths]
+
+
+def kill_prompts(vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(3000 + seed)
+    return [_ids(rng, BLOCK_SIZE * (2 + i), vocab) for i in range(N_KILL)]
+
+
+def kill_proxy_prompts(vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(3500 + seed)
+    return [_ids(rng, rng.randint(BLOCK_SIZE, 8 * BLOCK_SIZE), vocab) for _ in range(8)]
+
+
+def after_kill_prompts(vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(4000 + seed)
+    return [_ids(rng, n, vocab) for n in (7, 3 * BLOCK_SIZE)]
+
+
+def restart_prompts(vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(5000 + seed)
+    return [_ids(rng, n, vocab) for n in (2 * BLOCK_SIZE + 5,)]
+
+
+#: Each pair (backend, mode) gets its own seed so a shared prompt never comes from
+#: another test; these are the seeds the tests use.
+PAIR_SEEDS = {("loopback", "read"): 1, ("loopback", "write"): 2, ("ucx", "read"): 3, ("ucx", "write"): 4}
+
+
+def all_prompts(vocab: int) -> list[tuple[list[int], int]]:
+    """Every (prompt, max_tokens) any test asks, so the baseline engine answers them all once."""
+    out = []
+    for seed in PAIR_SEEDS.values():
+        for fn in (correctness_prompts, concurrent_prompts, kill_prompts, kill_proxy_prompts,
+                   after_kill_prompts,
+                   restart_prompts):
+            out += [(p, MAX_TOKENS) for p in fn(vocab, seed)]
+    return out
+
+
+def client(base_url: str, timeout: float = 60.0) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", timeout=timeout, max_retries=0)
+
+
+def async_client(base_url: str, timeout: float = 90.0) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", timeout=timeout,
+                              max_retries=0)
+
+
+GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True})
+
+
+def completion_ids(resp) -> list[int]:
+    ids = resp.choices[0].model_extra.get("token_ids")
+    assert ids is not None, "server did not return token_ids (needs return_token_ids)"
+    return list(ids)
+
+
+def complete(c: openai.OpenAI, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    resp = c.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, **GREEDY)
+    return completion_ids(resp)
+
+
+async def acomplete(c: openai.AsyncOpenAI, prompt: list[int], max_tokens: int = MAX_TOKENS):
+    return await c.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, **GREEDY)

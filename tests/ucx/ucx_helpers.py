@@ -1,0 +1,75 @@
+"""Shared helpers of the ucx tests: a peer agent in another process (``ucx_peer.py``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+PEER_SCRIPT = Path(__file__).with_name("ucx_peer.py")
+
+#: Backend option sets the ucx backend must pass with (tell the conformance suite the same).
+TLS_OPTIONS = [{"tls": "tcp"}, {"tls": "shm"}, {"tls": "cma+tcp"}]
+
+
+def expected_bytes(size: int, seed: int) -> np.ndarray:
+    """The buffer a peer started with ``SEED`` registered (see ``ucx_peer.py``)."""
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def sha(buf: np.ndarray, offsets, lengths) -> str:
+    h = hashlib.sha256()
+    for o, n in zip(offsets, lengths):
+        h.update(buf[int(o) : int(o) + int(n)].tobytes())
+    return h.hexdigest()
+
+
+class PeerProcess:
+    """A ucx agent in a child process; ``prefix`` runs it elsewhere (e.g. ``ip netns exec``)."""
+
+    def __init__(self, name: str, size: int, seed: int, options: dict, prefix: list[str] | None = None):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PEER_SCRIPT.parent), env.get("PYTHONPATH")]))
+        self.proc = subprocess.Popen(
+            [*(prefix or []), sys.executable, str(PEER_SCRIPT), name, str(size), str(seed), json.dumps(options)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )
+        hello = self._read()
+        self.metadata = bytes.fromhex(hello["md"])
+        self.name, self.size, self.seed = name, size, seed
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            err = self.proc.stderr.read() if self.proc.poll() is not None else ""
+            raise RuntimeError(f"peer process ended (rc={self.proc.poll()}): {err[-3000:]}")
+        return json.loads(line)
+
+    def call(self, **msg) -> dict:
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(10)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait(10)
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            try:
+                f.close()
+            except Exception:
+                pass

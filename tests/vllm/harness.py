@@ -1,0 +1,331 @@
+"""A real vLLM ``Scheduler`` on CPU, driven step by step, with a real connector worker.
+
+No mocked scheduler: :class:`Engine` builds ``vllm.v1.core.sched.scheduler.Scheduler``
+from a real ``VllmConfig`` (a tiny local Llama config, offline), the connector through
+vLLM's own factory (so the ``vllm.general_plugins`` registration is exercised), and a
+worker-role connector that owns real paged KV tensors in vLLM's CPU layout
+``[num_blocks, kv_heads, block_size, 2*head_size]`` per layer.
+
+The "model runner" here is the only stand-in: instead of attention it writes a known
+pattern (a function of token id, position and layer) into the KV slots of every token
+it computes, and samples a fixed token. That makes the bytes a consumer loads checkable
+against what the producer computed, block by block.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import torch  # noqa: E402
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from kvtransport_vllm.plugin import register  # noqa: E402
+
+NUM_LAYERS = 2
+KV_HEADS = 2
+HEAD_SIZE = 64
+EOS = 2
+_MODEL_DIR: str | None = None
+_none_hash = False
+_ids = itertools.count(1)
+
+
+def tiny_model_dir() -> str:
+    """A local Llama config (no weights needed: the scheduler never loads them)."""
+    global _MODEL_DIR
+    if _MODEL_DIR is None:
+        from transformers import LlamaConfig
+
+        d = os.path.join(tempfile.gettempdir(), f"kvt-tiny-llama-{os.getuid()}")
+        if not os.path.exists(os.path.join(d, "config.json")):
+            os.makedirs(d, exist_ok=True)
+            LlamaConfig(
+                hidden_size=KV_HEADS * HEAD_SIZE, intermediate_size=256, num_hidden_layers=NUM_LAYERS,
+                num_attention_heads=KV_HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_SIZE,
+                vocab_size=512, max_position_embeddings=4096, eos_token_id=EOS, torch_dtype="float32",
+            ).save_pretrained(d)
+        _MODEL_DIR = d
+    return _MODEL_DIR
+
+
+def free_port_base(n: int = 4) -> int:
+    """A base port with ``n`` consecutive free ports (side channel: base + tp_rank)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free port range")
+
+
+def make_vllm_config(kv_role: str, extra: dict[str, Any], block_size: int = 16, engine_id: str | None = None,
+                     max_num_batched_tokens: int = 256, kv_connector_module_path: str | None = None,
+                     kv_load_failure_policy: str = "fail") -> VllmConfig:
+    model_config = ModelConfig(model=tiny_model_dir(), skip_tokenizer_init=True, dtype="float32", seed=0,
+                               max_model_len=2048)
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens, max_model_len=2048,
+        enable_chunked_prefill=True, is_encoder_decoder=False,
+    )
+    cache_config = CacheConfig(block_size=block_size, cache_dtype="auto", enable_prefix_caching=True)
+    ktc = KVTransferConfig(
+        kv_connector="KVTransportConnector", kv_role=kv_role, engine_id=engine_id,
+        kv_connector_module_path=kv_connector_module_path, kv_connector_extra_config=extra,
+        kv_load_failure_policy=kv_load_failure_policy,
+    )
+    return VllmConfig(model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config,
+                      kv_transfer_config=ktc, device_config=DeviceConfig("cpu"))
+
+
+def kv_pattern(token_ids: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
+    """What the stand-in model writes for a token: distinct per token, position, layer."""
+    return token_ids.float() * 1000.0 + positions.float() + layer * 0.25
+
+
+class Engine:
+    """One engine: real Scheduler + scheduler-role connector + worker-role connector."""
+
+    def __init__(self, kv_role: str, extra: dict[str, Any], *, block_size: int = 16, num_blocks: int = 64,
+                 engine_id: str | None = None, connector_cls: type | None = None,
+                 kv_load_failure_policy: str = "fail", max_num_batched_tokens: int = 256) -> None:
+        global _none_hash
+        register()
+        if not _none_hash:
+            init_none_hash(sha256)
+            _none_hash = True
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.engine_id = engine_id or f"{kv_role}-{next(_ids)}"
+        self.vllm_config = make_vllm_config(kv_role, extra, block_size, self.engine_id,
+                                            max_num_batched_tokens=max_num_batched_tokens,
+                                            kv_load_failure_policy=kv_load_failure_policy)
+        self.vllm_config.cache_config.num_gpu_blocks = num_blocks
+        self.kv_cache_config = KVCacheConfig(
+            num_blocks=num_blocks, kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(
+                [f"layers.{i}" for i in range(NUM_LAYERS)],
+                FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
+                                  dtype=torch.float32),
+            )],
+        )
+        if connector_cls is not None:
+            name = f"_Test{connector_cls.__name__}"
+            if name not in KVConnectorFactory._registry:
+                KVConnectorFactory._registry[name] = lambda c=connector_cls: c
+            self.vllm_config.kv_transfer_config.kv_connector = name
+        self.scheduler = Scheduler(
+            vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config, log_stats=True,
+            structured_output_manager=StructuredOutputManager(self.vllm_config), block_size=block_size,
+        )
+        self.connector = self.scheduler.connector
+        self.worker = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER,
+                                                          self.kv_cache_config)
+        self.kv_caches = {
+            f"layers.{i}": torch.zeros(num_blocks, KV_HEADS, block_size, 2 * HEAD_SIZE, dtype=torch.float32)
+            for i in range(NUM_LAYERS)
+        }
+        self.worker.register_kv_caches(self.kv_caches)
+        self.free0 = self.free_blocks()
+        self.outputs: list[Any] = []
+        self.scheduled_log: list[set[str]] = []
+        self.kv_outputs: list[KVConnectorOutput] = []
+        #: requests the stand-in runner emits no row for (the seed's failure shape)
+        self.no_row: Callable[[str], bool] = lambda rid: False
+
+    # ------------------------------------------------------------------
+    def free_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def add(self, request_id: str, prompt: list[int], max_tokens: int, kv_transfer_params: dict | None) -> Request:
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        req = Request(request_id=request_id, prompt_token_ids=list(prompt), sampling_params=sp, pooling_params=None,
+                      block_hasher=get_request_block_hasher(self.block_size, sha256))
+        req.kv_transfer_params = dict(kv_transfer_params) if kv_transfer_params is not None else None
+        self.scheduler.add_request(req)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+
+    def status(self, request_id: str) -> RequestStatus | None:
+        req = self.scheduler.requests.get(request_id)
+        return None if req is None else req.status
+
+    def _compute_kv(self, so: Any) -> None:
+        """The stand-in forward: write the KV pattern of every scheduled token."""
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[rid]
+            start = self._before[rid]
+            pos = torch.arange(start, start + n)
+            all_tokens = torch.tensor(list(req.all_token_ids) + [0] * (start + n), dtype=torch.int64)
+            toks = all_tokens[start:start + n]
+            block_ids = torch.tensor(self.scheduler.kv_cache_manager.get_block_ids(rid)[0], dtype=torch.int64)
+            blk = block_ids[pos // self.block_size]
+            slot = pos % self.block_size
+            for li, t in enumerate(self.kv_caches.values()):
+                t[blk, :, slot, :] = kv_pattern(toks, pos, li)[:, None, None]
+
+    def step(self) -> dict[str, Any]:
+        """One engine step: schedule, run the connector worker hooks, 'forward', update."""
+        so = self.scheduler.schedule()
+        self.scheduled_log.append(set(so.num_scheduled_tokens))
+        self._before = {rid: self.scheduler.requests[rid].num_computed_tokens - n
+                        for rid, n in so.num_scheduled_tokens.items()}
+        w = self.worker
+        w.bind_connector_metadata(so.kv_connector_metadata)
+        w.start_load_kv(None)
+        self._compute_kv(so)
+        w.wait_for_save()
+        res = w.get_transfer_results(so.finished_req_ids)
+        kvo = KVConnectorOutput(
+            finished_sending=res.finished_sending or None, finished_recving=res.finished_recving or None,
+            failed_recving=res.failed_recving, invalid_block_ids=w.get_block_ids_with_load_errors(),
+            kv_connector_stats=w.get_kv_connector_stats(),
+        )
+        w.clear_connector_metadata()
+        self.kv_outputs.append(kvo)
+        rows = [rid for rid in so.num_scheduled_tokens if not self.no_row(rid)]
+        sampled = []
+        for rid in rows:
+            req = self.scheduler.requests[rid]
+            done_prefill = self._before[rid] + so.num_scheduled_tokens[rid] >= req.num_tokens
+            sampled.append([7] if done_prefill else [])
+        mro = ModelRunnerOutput(req_ids=rows, req_id_to_index={r: i for i, r in enumerate(rows)},
+                                sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+                                pooler_output=[], kv_connector_output=kvo)
+        out = self.scheduler.update_from_output(so, mro)
+        params = {}
+        for eco in out.values():
+            for o in eco.outputs:
+                self.outputs.append(o)
+                if o.kv_transfer_params is not None:
+                    params[o.request_id] = o.kv_transfer_params
+        return params
+
+    def close(self) -> None:
+        self.worker.shutdown()
+
+    def block_ids(self, rid: str) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(rid)[0])
+
+    def check_kv(self, rid: str, prompt: list[int], upto: int) -> list[int]:
+        """Block indexes of ``rid`` whose first ``upto`` token slots differ from the pattern."""
+        ids = self.block_ids(rid)
+        bad = []
+        for b_i, b in enumerate(ids):
+            lo = b_i * self.block_size
+            hi = min(upto, lo + self.block_size)
+            if hi <= lo:
+                break
+            pos = torch.arange(lo, hi)
+            toks = torch.tensor(prompt[lo:hi])
+            for li, t in enumerate(self.kv_caches.values()):
+                want = kv_pattern(toks, pos, li)[:, None, None].expand(hi - lo, KV_HEADS, 2 * HEAD_SIZE)
+                got = t[b, :, : hi - lo, :].permute(1, 0, 2)
+                if not torch.equal(got, want):
+                    bad.append(b_i)
+                    break
+        return bad
+
+
+def run_until(engines: Iterable[Engine], cond: Callable[[], bool], timeout: float = 10.0,
+              on_params: Callable[[dict], None] | None = None) -> float:
+    """Step every engine until ``cond()``; returns the seconds it took. Fails on timeout."""
+    engines = list(engines)
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"condition not reached within {timeout}s")
+        for e in engines:
+            params = e.step()
+            if params and on_params:
+                on_params(params)
+        time.sleep(0.002)
+    return time.monotonic() - t0
+
+
+def prompt_of(n: int, seed: int = 1) -> list[int]:
+    return [(seed * 31 + i * 7) % 500 + 3 for i in range(n)]
+
+
+class Pair:
+    """A producer and a consumer engine wired through real side channels on loopback."""
+
+    def __init__(self, mode: str = "read", *, p_extra: dict | None = None, c_extra: dict | None = None,
+                 policy: str = "recompute", timeout_s: float = 5.0, lease_s: float = 10.0,
+                 c_block_size: int = 16, consumer_cls: type | None = None) -> None:
+        base = free_port_base(8)
+        common = {"backend": "loopback", "mode": mode, "transfer_timeout_s": timeout_s, "lease_s": lease_s,
+                  "load_failure_policy": policy}
+        self.p_port, self.c_port = base, base + 4
+        self.P = Engine("kv_producer", {**common, "side_channel_port": base, **(p_extra or {})}, engine_id="P")
+        try:
+            self.C = Engine("kv_consumer", {**common, "side_channel_port": base + 4, **(c_extra or {})},
+                            engine_id="C", block_size=c_block_size, connector_cls=consumer_cls)
+        except BaseException:
+            self.P.close()
+            raise
+        self.params: dict[str, dict] = {}
+
+    @property
+    def engines(self) -> list[Engine]:
+        return [self.P, self.C]
+
+    def prefill(self, rid: str, prompt: list[int]) -> dict:
+        self.P.add(rid, prompt, 1, {"do_remote_decode": True})
+        run_until([self.P], lambda: rid in self.params, on_params=self.params.update)
+        return self.params[rid]
+
+    def run(self, cond: Callable[[], bool], timeout: float = 10.0) -> float:
+        return run_until(self.engines, cond, timeout, on_params=self.params.update)
+
+    def drain(self, timeout: float = 15.0) -> None:
+        """Step both engines until no request is left anywhere."""
+        self.run(lambda: not self.P.scheduler.requests and not self.C.scheduler.requests, timeout)
+
+    def assert_no_leak(self) -> None:
+        """R4: both block pools are back to their starting free count."""
+        assert self.P.free_blocks() == self.P.free0, "producer leaked blocks"
+        assert self.C.free_blocks() == self.C.free0, "consumer leaked blocks"
+
+    def close(self) -> None:
+        self.P.close()
+        self.C.close()
+
+
+def finish_reason(engine: Engine, rid: str) -> str | None:
+    for o in engine.outputs:
+        if o.request_id == rid and o.finish_reason is not None:
+            return str(o.finish_reason)
+    return None

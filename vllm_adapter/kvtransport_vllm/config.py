@@ -1,0 +1,133 @@
+"""The connector's configuration, read only from vLLM's ``kv_transfer_config``.
+
+Every key of ``kv_connector_extra_config`` is checked here, once, so that a typo is a
+clear start-up error that names the key and the accepted ones, never a silent default.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ConnectorConfig", "ConnectorConfigError", "EXTRA_CONFIG_KEYS"]
+
+
+class ConnectorConfigError(ValueError):
+    """``kv_transfer_config`` for KVTransportConnector is invalid; the message says how to fix it."""
+
+
+#: Accepted keys of ``kv_connector_extra_config`` and what each means (docs/VLLM.md).
+EXTRA_CONFIG_KEYS: dict[str, str] = {
+    "backend": "kvtransport backend name (loopback, ucx, moriio or any installed entry point)",
+    "mode": "read (decode pulls) or write (prefill pushes)",
+    "backend_options": "dict of options passed to kvtransport.open() for the backend",
+    "side_channel_host": "address this engine advertises for its side channel",
+    "side_channel_port": "base TCP port of the side channel; TP rank r listens on port + r",
+    "transfer_timeout_s": "a remote load ends (done or failed) within this many seconds",
+    "lease_s": "producer keeps finished blocks this long without consumer progress",
+    "load_failure_policy": "recompute or fail: what vLLM does with a failed load",
+    "side_channel_token": "optional shared secret every side-channel message must carry",
+    "max_message_bytes": "largest side-channel message accepted (default 16 MiB)",
+}
+
+_MODES = ("read", "write")
+_POLICIES = ("recompute", "fail")
+
+
+def _default_host() -> str:
+    return os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Validated connector settings (see :data:`EXTRA_CONFIG_KEYS`)."""
+
+    kv_role: str
+    engine_id: str
+    backend: str = "loopback"
+    mode: str = "read"
+    backend_options: dict[str, Any] = field(default_factory=dict)
+    side_channel_host: str = field(default_factory=_default_host)
+    side_channel_port: int = 5600
+    transfer_timeout_s: float = 30.0
+    lease_s: float = 60.0
+    load_failure_policy: str | None = None
+    side_channel_token: str = ""
+    max_message_bytes: int = 16 * 1024 * 1024
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def from_extra(cls, kv_role: str | None, engine_id: str | None, extra: dict[str, Any] | None) -> ConnectorConfig:
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(EXTRA_CONFIG_KEYS))
+        if unknown:
+            raise ConnectorConfigError(
+                f"KVTransportConnector: unknown kv_connector_extra_config key(s) {unknown}; "
+                f"accepted keys: {sorted(EXTRA_CONFIG_KEYS)}"
+            )
+        if kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
+            raise ConnectorConfigError(
+                f"KVTransportConnector: kv_role must be kv_producer, kv_consumer or kv_both, got {kv_role!r}"
+            )
+        mode = str(extra.get("mode", "read")).lower()
+        if mode not in _MODES:
+            raise ConnectorConfigError(f"KVTransportConnector: mode must be 'read' or 'write', got {mode!r}")
+        policy = extra.get("load_failure_policy")
+        if policy is not None and policy not in _POLICIES:
+            raise ConnectorConfigError(
+                f"KVTransportConnector: load_failure_policy must be 'recompute' or 'fail', got {policy!r}"
+            )
+        opts = extra.get("backend_options", {}) or {}
+        if not isinstance(opts, dict):
+            raise ConnectorConfigError("KVTransportConnector: backend_options must be a JSON object (dict)")
+
+        def _num(key: str, default: float, kind: type) -> Any:
+            raw = extra.get(key, default)
+            try:
+                val = kind(raw)
+            except (TypeError, ValueError):
+                raise ConnectorConfigError(f"KVTransportConnector: {key} must be a number, got {raw!r}") from None
+            if val <= 0:
+                raise ConnectorConfigError(f"KVTransportConnector: {key} must be > 0, got {raw!r}")
+            return val
+
+        port = _num("side_channel_port", 5600, int)
+        if port > 65535:
+            raise ConnectorConfigError(f"KVTransportConnector: side_channel_port {port} is not a TCP port")
+        timeout = _num("transfer_timeout_s", 30.0, float)
+        lease = _num("lease_s", max(60.0, 2 * timeout), float)
+        if lease < timeout:
+            raise ConnectorConfigError(
+                f"KVTransportConnector: lease_s ({lease}) must be >= transfer_timeout_s ({timeout}), "
+                "otherwise the producer frees blocks while a consumer may still be reading them"
+            )
+        backend = extra.get("backend", "loopback")
+        if not isinstance(backend, str) or not backend:
+            raise ConnectorConfigError("KVTransportConnector: backend must be a non-empty string")
+        return cls(
+            kv_role=kv_role,
+            engine_id=str(engine_id or "engine"),
+            backend=backend,
+            mode=mode,
+            backend_options=opts,
+            side_channel_host=str(extra.get("side_channel_host") or _default_host()),
+            side_channel_port=port,
+            transfer_timeout_s=timeout,
+            lease_s=lease,
+            load_failure_policy=policy,
+            side_channel_token=str(extra.get("side_channel_token", "") or ""),
+            max_message_bytes=_num("max_message_bytes", 16 * 1024 * 1024, int),
+        )
+
+    @classmethod
+    def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:
+        ktc = vllm_config.kv_transfer_config
+        return cls.from_extra(ktc.kv_role, ktc.engine_id, ktc.kv_connector_extra_config)

@@ -1,0 +1,163 @@
+"""KVTransportConnector: vLLM's KVConnectorBase_V1 on top of kvtransport.
+
+Configured only through ``kv_transfer_config`` (see docs/VLLM.md)::
+
+    {"kv_connector": "KVTransportConnector", "kv_role": "kv_producer|kv_consumer|kv_both",
+     "kv_connector_extra_config": {"backend": "loopback", "mode": "read", ...}}
+
+The scheduler half (:mod:`.scheduler`) and the worker half (:mod:`.worker`) live in
+separate modules; this class only routes vLLM's calls to the half of its role.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from .config import ConnectorConfig, ConnectorConfigError
+from .messages import KVTransportMetadata
+from .scheduler import KVTransportScheduler
+from .stats import KVTransportStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger(__name__)
+
+__all__ = ["KVTransportConnector"]
+
+try:  # vLLM >= 0.32 reports failed receives by request id too
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover - older layouts
+    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+
+
+def _tp_info() -> tuple[int, int]:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except Exception:  # no distributed group (tests, single process)
+        return 0, 1
+
+
+class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.cfg = ConnectorConfig.from_vllm(vllm_config)
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        if len(groups) > 1:
+            raise ConnectorConfigError(
+                f"KVTransportConnector moves one KV cache group, but this model has {len(groups)} "
+                "(hybrid / sliding-window layers under the hybrid KV cache manager). Start vLLM with "
+                "--disable-hybrid-kv-cache-manager to serve it with this connector."
+            )
+        ktc = vllm_config.kv_transfer_config
+        if self.cfg.load_failure_policy is not None:
+            # The scheduler reads kv_load_failure_policy right after building us.
+            ktc.kv_load_failure_policy = self.cfg.load_failure_policy
+        block_size = vllm_config.cache_config.block_size
+        tp_rank, tp_size = _tp_info()
+        self._scheduler: KVTransportScheduler | None = None
+        self._worker: Any = None
+        if role == KVConnectorRole.SCHEDULER:
+            tp_size = vllm_config.parallel_config.tensor_parallel_size
+            self._scheduler = KVTransportScheduler(self.cfg, block_size, tp_size)
+        else:
+            from .worker import KVTransportWorker
+
+            num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or vllm_config.cache_config.num_gpu_blocks or 0)
+            dtype = str(vllm_config.cache_config.cache_dtype)
+            if dtype == "auto":
+                dtype = str(vllm_config.model_config.dtype)
+            self._worker = KVTransportWorker(self.cfg, block_size, num_blocks, dtype, tp_rank, tp_size)
+
+    # ------------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, list(block_ids[0]) if block_ids else [])
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        # We transfer the request's own blocks of every group we accept (one group).
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups))) if self._kv_cache_config else (0,)
+
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def _meta(self) -> KVTransportMetadata | None:
+        meta = self._connector_metadata
+        return meta if isinstance(meta, KVTransportMetadata) else None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        # New work is taken here (metadata is bound); loads are asynchronous: the
+        # request is not scheduled before done_recving, so the forward never waits.
+        self._worker.on_metadata(self._meta())
+        self._worker.progress()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        # Producer: the prefill of this step has been computed, push what is ready.
+        self._worker.progress()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._worker.take_failed_recving()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=failed,
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors()
+
+    def get_kv_connector_stats(self) -> KVTransportStats | None:
+        if self._worker is None:
+            return None
+        stats = KVTransportStats(self._worker.take_stats())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTransportStats | None:
+        return KVTransportStats(data) if data is not None else KVTransportStats()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()

@@ -1,0 +1,198 @@
+"""Wire messages of the side channel (msgspec, versioned) and the scheduler -> worker metadata.
+
+Side-channel messages are tagged msgspec structs, one request and one reply per
+exchange, matched by ``cid``. Every message carries the protocol version and the
+optional shared token; the server refuses other versions or a wrong token with an
+:class:`Error` reply instead of acting on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+PROTOCOL_VERSION = 1
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "LayoutInfo",
+    "Msg",
+    "Hello",
+    "Welcome",
+    "Done",
+    "Renew",
+    "Release",
+    "WriteReq",
+    "Cancel",
+    "Written",
+    "Aborted",
+    "Reply",
+    "Error",
+    "encode",
+    "decode",
+    "RecvJob",
+    "HoldJob",
+    "PeerNotice",
+    "KVTransportMetadata",
+]
+
+
+class LayoutInfo(msgspec.Struct, frozen=True):
+    """What both sides must agree on before bytes move."""
+
+    block_size: int
+    dtype: str
+    num_layers: int
+    block_bytes: int  # bytes of one block in one part of one layer
+    parts_per_layer: int
+    tp_size: int
+    #: per layer: [(region id, base offset), ...] and the block stride (this agent's ids)
+    part_regions: list[list[tuple[int, int]]] = []
+    block_stride: list[int] = []
+
+    def mismatch(self, other: LayoutInfo) -> str:
+        """Human-readable differences that make a transfer impossible ("" if none)."""
+        diffs = []
+        for name in ("block_size", "dtype", "num_layers", "block_bytes", "parts_per_layer", "tp_size"):
+            a, b = getattr(self, name), getattr(other, name)
+            if a != b:
+                diffs.append(f"{name}: local {a!r} vs peer {b!r}")
+        return "; ".join(diffs)
+
+
+class Msg(msgspec.Struct, tag_field="t", kw_only=True):
+    v: int = PROTOCOL_VERSION
+    cid: int = 0
+    token: str = ""
+
+
+class Hello(Msg, tag="hello"):
+    engine_id: str
+    tp_rank: int
+    agent_md: bytes
+    layout: LayoutInfo
+    reply_host: str
+    reply_port: int
+
+
+class Welcome(Msg, tag="welcome"):
+    engine_id: str
+    agent_md: bytes
+    layout: LayoutInfo
+
+
+class Done(Msg, tag="done"):
+    """Consumer: "done reading these keys" (READ mode, read-then-confirm)."""
+
+    keys: list[str]
+
+
+class Renew(Msg, tag="renew"):
+    keys: list[str]
+
+
+class Release(Msg, tag="release"):
+    """Consumer will not read these keys (aborted, failed, nothing to load)."""
+
+    keys: list[str]
+
+
+class WriteReq(Msg, tag="write_req"):
+    """Consumer (WRITE mode): "write key into my blocks"."""
+
+    key: str
+    block_ids: list[int]
+    engine_id: str
+    reply_host: str
+    reply_port: int
+
+
+class Cancel(Msg, tag="cancel"):
+    """Consumer (WRITE mode) gives up; producer acks once no more write can land."""
+
+    keys: list[str]
+
+
+class Written(Msg, tag="written"):
+    """Producer -> consumer: the write for key ended (ok or not)."""
+
+    key: str
+    ok: bool
+    reason: str = ""
+
+
+class Aborted(Msg, tag="aborted"):
+    """Either side -> peer: the request behind key was aborted here."""
+
+    keys: list[str]
+
+
+class Reply(Msg, tag="reply"):
+    """Generic reply: per-key status ("ok", "expired", "pending", "acked", "unknown")."""
+
+    status: dict[str, str] = {}
+
+
+class Error(Msg, tag="error"):
+    code: str
+    message: str
+
+
+AnyMsg = Hello | Welcome | Done | Renew | Release | WriteReq | Cancel | Written | Aborted | Reply | Error
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(AnyMsg)
+
+
+def encode(msg: Msg) -> bytes:
+    return _ENCODER.encode(msg)
+
+
+def decode(data: bytes) -> Msg:
+    return _DECODER.decode(data)
+
+
+# --------------------------------------------------------------------------------------
+# Scheduler -> worker metadata (pickled by vLLM between processes).
+
+
+@dataclass
+class RecvJob:
+    """Consumer: load ``key`` into ``local_block_ids`` from the producer at host:port."""
+
+    req_id: str
+    key: str
+    mode: str
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
+    host: str
+    port: int
+    remote_engine_id: str = ""
+
+
+@dataclass
+class HoldJob:
+    """Producer: keep ``block_ids`` of ``req_id`` under a lease until the consumer is done."""
+
+    req_id: str
+    key: str
+    block_ids: list[int]
+
+
+@dataclass
+class PeerNotice:
+    """Tell a peer about ``key`` without a transfer (release: won't read; aborted)."""
+
+    key: str
+    host: str
+    port: int
+    kind: str  # "release" | "aborted"
+
+
+@dataclass
+class KVTransportMetadata(KVConnectorMetadata):
+    recv: list[RecvJob] = field(default_factory=list)
+    hold: list[HoldJob] = field(default_factory=list)
+    notices: list[PeerNotice] = field(default_factory=list)
