@@ -127,7 +127,7 @@ def test_expired_lease_late_read_refused_not_stale(pairs, policy):
     """Stale-read hazard (vllm#21570): the producer's lease lapses, it frees the blocks and
     reuses them for another request; the consumer's late READ gets those other bytes, but
     the confirmation answers "expired", so they are reported as load errors, never used."""
-    pair = pairs("read", policy=policy)
+    pair = pairs("read", policy=policy, timeout_s=2.0, lease_s=3.0)
     prompt = prompt_of(50, seed=21)
     params = pair.prefill("p1", prompt)
     w = pair.P.worker._worker
@@ -149,7 +149,7 @@ def test_expired_lease_late_read_refused_not_stale(pairs, policy):
         if pair.C.status("c1") == RequestStatus.RUNNING:
             pair.run(lambda: pair.C.scheduler.requests["c1"].num_computed_tokens >= len(prompt))
             assert pair.C.check_kv("c1", prompt, len(prompt)) == []
-    _outcome(pair, "c1", prompt, policy, t0, 5.0)
+    _outcome(pair, "c1", prompt, policy, t0, 2.0)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -237,7 +237,7 @@ def test_late_and_duplicate_signals_are_dropped(pairs):
 
 
 def test_layout_mismatch_is_a_clear_error_and_recomputes(pairs, caplog):
-    pair = pairs("read", c_block_size=32)
+    pair = pairs("read", c_block_size=32, timeout_s=2.0, lease_s=3.0)
     prompt = prompt_of(64)
     params = pair.prefill("p1", prompt)
     pair.C.add("c1", prompt, 2, params)
@@ -275,7 +275,9 @@ def test_stale_write_hazard_consumer_keeps_blocks_until_producer_acks_cancel(pai
     """WRITE, lifecycle 3.3: the consumer gives up (deadline) while the producer's write
     is still in flight; it must keep its blocks aside until the producer acknowledges
     the cancel (no write can land any more), only then report the load error."""
-    faults = {"backend_options": {"faults": {"delay_s": 2.5, "seed": 1}}}
+    # the producer's write completes 2.5 s late; its own deadline (5 s) is longer than the
+    # consumer's (1 s), so the consumer gives up first
+    faults = {"backend_options": {"faults": {"delay_s": 2.5, "seed": 1}}, "transfer_timeout_s": 5.0}
     pair = pairs("write", policy="recompute", timeout_s=1.0, lease_s=5.0, p_extra=faults)
     prompt = prompt_of(50)
     params = pair.prefill("p1", prompt)
@@ -289,3 +291,20 @@ def test_stale_write_hazard_consumer_keeps_blocks_until_producer_acks_cancel(pai
     pair.run(lambda: pair.C.status("c1") != RequestStatus.WAITING_FOR_REMOTE_KVS)
     assert not w._holds  # producer's write ended before the consumer let go
     _outcome(pair, "c1", prompt, "recompute", t0, 4.0)
+
+
+def test_producer_abort_before_consumer_asks(pairs):
+    """Router WRITE flow, other order: the producer aborts before the consumer's request
+    even arrives; the consumer's "write into" is answered "expired" and it ends early."""
+    pair = pairs("write", policy="recompute", timeout_s=30.0, lease_s=60.0)
+    uuid = "cdcd0000000000000000000000000abc"
+    rid = (f"___prefill_addr_host:127.0.0.1,handshake:{pair.p_port},notify:1"
+           f"___decode_addr_host:127.0.0.1,handshake:{pair.c_port},notify:2_{uuid}")
+    prompt = prompt_of(300, seed=3)
+    pair.P.add("p-" + rid, prompt, 1, {"do_remote_decode": True})
+    pair.P.step()
+    pair.P.abort("p-" + rid)
+    pair.P.step()  # the abort notice goes out
+    t0 = time.monotonic()
+    pair.C.add("c-" + rid, prompt, 2, {"do_remote_prefill": True})
+    _outcome(pair, "c-" + rid, prompt, "recompute", t0, 5.0)

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 from harness import Engine, free_port_base, run_until
-from vllm.v1.request import RequestStatus
 
 
 def test_two_processes_byte_equal_per_block():

@@ -565,6 +565,10 @@ class KVTransportWorker:
             return
         notices, self._notices = self._notices, []
         for n, _ in notices:
+            if n.kind == "aborted":
+                with self._lock:  # later "write into"/"done" for it get "expired", not "pending"
+                    self._ended[n.key] = "aborted"
+                    self._early_dest.pop(n.key, None)
             client = self._client_to(n.host, n.port + self.tp_rank)
             client.send(Release(keys=[n.key]) if n.kind == "release" else Aborted(keys=[n.key]))
 
