@@ -7,7 +7,6 @@ with the libucx wheel and compares ``sizeof``/``offsetof`` of every field we dec
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from pathlib import Path

@@ -47,7 +47,8 @@ def test_describe_reports_transport_and_library():
     with kvt.open("ucx", name="d", tls="shm") as a:
         d = a.describe()
     assert d["tls"] == "sysv,posix,cma" and d["err_mode"] == "none"
-    assert d["ucx_version"].startswith("1.") and d["ucx_library"].endswith(".so") or "libucp" in d["ucx_library"]
+    assert d["ucx_version"].startswith("1.")
+    assert "libucp" in d["ucx_library"]
 
 
 def test_malformed_backend_blob_is_a_peer_metadata_error():
