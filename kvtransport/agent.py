@@ -165,6 +165,13 @@ class Agent:
         self.instance = secrets.token_hex(8)
         self._backend = backend
         self._lock = threading.RLock()
+        # Backends signal state changes here so Transfer.wait wakes without polling.
+        self._progress_cond = threading.Condition()
+        self._progress_gen = 0
+        b: Any = backend
+        while b is not None:  # the backend, and the real one under a fault injector
+            b.progress_callback = self._on_backend_progress
+            b = getattr(b, "inner", None)
         self._closed = False
         self._region_ids = itertools.count(1)
         self._tids = itertools.count(1)
@@ -426,6 +433,17 @@ class Agent:
                                rr, ro, raddr, ln, notify, time.monotonic() + timeout_s)
 
     # -- progress -------------------------------------------------------------
+    def _on_backend_progress(self) -> None:
+        with self._progress_cond:
+            self._progress_gen += 1
+            self._progress_cond.notify_all()
+
+    def _wait_for_progress(self, seen_gen: int, timeout: float) -> None:
+        """Sleep until a backend signals progress after ``seen_gen`` or ``timeout`` passes."""
+        with self._progress_cond:
+            if self._progress_gen == seen_gen:
+                self._progress_cond.wait(timeout)
+
     def _progress_transfer(self, t: Transfer) -> None:
         with self._lock:
             if t.id in self._pending:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -198,9 +198,19 @@ class Backend(abc.ABC):
         """Can this backend run here? Must be cheap and must not raise."""
         return Availability(True)
 
+    #: Set by the core. A backend calls :meth:`signal_progress` (from any thread) when a
+    #: posted transfer may have changed state, so waiters wake at once instead of at
+    #: their next poll. Optional: without it the core polls with a short back-off.
+    progress_callback: Callable[[], None] | None = None
+
     def __init__(self, agent_name: str, options: Mapping[str, Any]) -> None:
         self.agent_name = agent_name
         self.options = dict(options)
+
+    def signal_progress(self) -> None:
+        cb = self.progress_callback
+        if cb is not None:
+            cb()
 
     # -- memory ---------------------------------------------------------------
     @abc.abstractmethod

@@ -114,16 +114,20 @@ class Transfer:
         """Block until DONE/FAILED or ``timeout`` seconds pass (the transfer's own
         deadline bounds the wait anyway). Returns the status at that time."""
         limit = time.monotonic() + timeout if timeout is not None else float("inf")
-        sleep = 2e-5
+        sleep = 5e-5
+        agent = self._agent
         while True:
+            gen = agent._progress_gen
             st = self.status()
             if st.done:
                 return st
             now = time.monotonic()
             if now >= limit:
                 return st
-            time.sleep(min(sleep, max(0.0, limit - now)))
-            sleep = min(sleep * 2, 1e-3)
+            # Woken at once by a backend that signals progress; otherwise a short back-off
+            # (also bounds the wait for a silent backend's deadline, which polling enforces).
+            agent._wait_for_progress(gen, min(sleep, limit - now, max(self.deadline - now, 0.0) + 1e-4))
+            sleep = min(sleep * 2, 2e-3)
 
     def result(self, timeout: float | None = None) -> None:
         """Wait, then raise :class:`TransferFailedError` unless DONE."""

@@ -268,10 +268,12 @@ class LoopbackBackend(Backend):
             if job.error is not None or job.cancelled:
                 job.result = PollResult.failed(job.error or "cancelled", quiesced=True)
                 job.finished = True
+                self.signal_progress()
                 return
         if req.notify is None:
             job.result = PollResult.done()
             job.finished = True
+            self.signal_progress()
         else:
             self._notifier.submit(self._notify_then_done, job, peer, req.notify)
 
@@ -300,6 +302,7 @@ class LoopbackBackend(Backend):
         except Exception as exc:
             job.result = PollResult.failed(f"data moved but the notification failed: {exc}")
         job.finished = True
+        self.signal_progress()
 
     def poll(self, handle: _Job) -> PollResult:
         return handle.result

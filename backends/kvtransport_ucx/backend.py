@@ -415,6 +415,7 @@ class UcxBackend(Backend):
         if x.flush_req is None:
             self._active.discard(x)
             x.conn.xfers.discard(x)
+        self.signal_progress()
 
     def _fail(self, x: _Xfer, reason: str) -> None:
         if x.stage in ("done", "failed"):

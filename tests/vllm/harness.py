@@ -24,6 +24,11 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+# The connector refuses to start without a side-channel secret (or an explicit "off"):
+# every engine built here (and producer subprocesses, which inherit the environment)
+# shares this one, as the engines of one cluster would.
+TEST_SECRET = "kvtransport-test-cluster-secret"
+os.environ.setdefault("KVTRANSPORT_SECRET", TEST_SECRET)
 
 import torch  # noqa: E402
 

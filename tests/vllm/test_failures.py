@@ -212,8 +212,9 @@ def test_late_and_duplicate_signals_are_dropped(pairs):
     params = pair.prefill("p1", prompt)
     pair.C.add("c1", prompt, 2, params)
     pair.drain()
-    to_c = sc.SideChannelClient("127.0.0.1", pair.c_port)
-    to_p = sc.SideChannelClient("127.0.0.1", pair.p_port)
+    # an authentic peer (holds the cluster secret) replaying stale signals
+    to_c = sc.SideChannelClient("127.0.0.1", pair.c_port, auth=pair.C.worker._worker.cfg.make_authenticator())
+    to_p = sc.SideChannelClient("127.0.0.1", pair.p_port, auth=pair.P.worker._worker.cfg.make_authenticator())
     try:
         to_c.send(Written(key=params["transfer_id"], ok=True))
         to_p.send(Done(keys=[params["transfer_id"]]))

@@ -10,7 +10,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ConnectorConfig", "ConnectorConfigError", "EXTRA_CONFIG_KEYS"]
+from kvtransport.auth import AUTH_OFF, AuthConfigError, Authenticator, load_secret
+
+__all__ = ["ConnectorConfig", "ConnectorConfigError", "EXTRA_CONFIG_KEYS", "AUTH_CHANNEL"]
+
+#: Channel name bound into every side-channel MAC (a sealed message of another
+#: kvtransport channel, e.g. the bench job, is refused here).
+AUTH_CHANNEL = "kvtransport-vllm"
 
 
 class ConnectorConfigError(ValueError):
@@ -27,7 +33,9 @@ EXTRA_CONFIG_KEYS: dict[str, str] = {
     "transfer_timeout_s": "a remote load ends (done or failed) within this many seconds",
     "lease_s": "producer keeps finished blocks this long without consumer progress",
     "load_failure_policy": "recompute or fail: what vLLM does with a failed load",
-    "side_channel_token": "optional shared secret every side-channel message must carry",
+    "side_channel_secret": "cluster secret (>= 16 bytes) sealing every side-channel message (HMAC); "
+    "default: $KVTRANSPORT_SECRET or the file $KVTRANSPORT_SECRET_FILE",
+    "side_channel_auth": "on (default) or off: off disables side-channel authentication explicitly",
     "max_message_bytes": "largest side-channel message accepted (default 16 MiB)",
 }
 
@@ -53,7 +61,9 @@ class ConnectorConfig:
     transfer_timeout_s: float = 30.0
     lease_s: float = 60.0
     load_failure_policy: str | None = None
-    side_channel_token: str = ""
+    #: HMAC key of the side channel; None only when authentication is explicitly off.
+    side_channel_secret: bytes | None = field(default=None, repr=False)
+    side_channel_auth: bool = True
     max_message_bytes: int = 16 * 1024 * 1024
 
     @property
@@ -64,9 +74,24 @@ class ConnectorConfig:
     def is_consumer(self) -> bool:
         return self.kv_role in ("kv_consumer", "kv_both")
 
+    def make_authenticator(self) -> Authenticator | None:
+        """The side channel's sealer/opener; None only when auth is explicitly off."""
+        if not self.side_channel_auth:
+            return None
+        if not self.side_channel_secret:
+            raise ConnectorConfigError(_NO_SECRET)
+        return Authenticator(self.side_channel_secret, AUTH_CHANNEL, max_nonces=1 << 18)
+
     @classmethod
     def from_extra(cls, kv_role: str | None, engine_id: str | None, extra: dict[str, Any] | None) -> ConnectorConfig:
         extra = dict(extra or {})
+        if "side_channel_token" in extra:
+            raise ConnectorConfigError(
+                "KVTransportConnector: side_channel_token was replaced by HMAC authentication: set "
+                "side_channel_secret (the same value, >= 16 bytes, on every engine) in "
+                "kv_connector_extra_config, or KVTRANSPORT_SECRET / KVTRANSPORT_SECRET_FILE in the "
+                "environment; side_channel_auth: off disables authentication explicitly"
+            )
         unknown = sorted(set(extra) - set(EXTRA_CONFIG_KEYS))
         if unknown:
             raise ConnectorConfigError(
@@ -112,6 +137,7 @@ class ConnectorConfig:
         backend = extra.get("backend", "loopback")
         if not isinstance(backend, str) or not backend:
             raise ConnectorConfigError("KVTransportConnector: backend must be a non-empty string")
+        auth_on, secret = _auth_settings(extra)
         return cls(
             kv_role=kv_role,
             engine_id=str(engine_id or "engine"),
@@ -123,7 +149,8 @@ class ConnectorConfig:
             transfer_timeout_s=timeout,
             lease_s=lease,
             load_failure_policy=policy,
-            side_channel_token=str(extra.get("side_channel_token", "") or ""),
+            side_channel_secret=secret,
+            side_channel_auth=auth_on,
             max_message_bytes=_num("max_message_bytes", 16 * 1024 * 1024, int),
         )
 
@@ -131,3 +158,40 @@ class ConnectorConfig:
     def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:
         ktc = vllm_config.kv_transfer_config
         return cls.from_extra(ktc.kv_role, ktc.engine_id, ktc.kv_connector_extra_config)
+
+
+_NO_SECRET = (
+    "KVTransportConnector: side-channel authentication is on but no cluster secret is set. "
+    "Set side_channel_secret in kv_connector_extra_config, or KVTRANSPORT_SECRET (or "
+    "KVTRANSPORT_SECRET_FILE) in the environment, to the same value (>= 16 bytes) on every "
+    "engine; or disable authentication explicitly with side_channel_auth: off (or "
+    "KVTRANSPORT_AUTH=off) on a trusted network"
+)
+
+
+def _auth_settings(extra: dict[str, Any]) -> tuple[bool, bytes | None]:
+    """(auth on?, secret) from the extra config, else the environment (kvtransport.auth).
+
+    Never silently open: without a secret and without an explicit "off", start-up fails.
+    """
+    mode = extra.get("side_channel_auth", "on")
+    if isinstance(mode, bool):
+        mode = "on" if mode else AUTH_OFF
+    mode = str(mode).lower()
+    if mode not in ("on", AUTH_OFF):
+        raise ConnectorConfigError(f"KVTransportConnector: side_channel_auth must be 'on' or 'off', got {mode!r}")
+    if mode == AUTH_OFF:
+        return False, None
+    raw = extra.get("side_channel_secret")
+    if raw is not None and not isinstance(raw, str):
+        raise ConnectorConfigError("KVTransportConnector: side_channel_secret must be a string")
+    try:
+        secret = load_secret(raw if raw else None)
+    except AuthConfigError as exc:
+        if "no cluster secret" in str(exc):
+            raise ConnectorConfigError(_NO_SECRET) from None
+        source = "side_channel_secret" if raw else "KVTRANSPORT_SECRET / KVTRANSPORT_SECRET_FILE"
+        raise ConnectorConfigError(f"KVTransportConnector: {source}: {exc}") from None
+    except OSError as exc:
+        raise ConnectorConfigError(f"KVTransportConnector: cannot read KVTRANSPORT_SECRET_FILE: {exc}") from None
+    return secret is not None, secret

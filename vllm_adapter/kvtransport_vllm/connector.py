@@ -18,7 +18,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    SupportsHMA,
 )
 
 from .config import ConnectorConfig, ConnectorConfigError
@@ -34,10 +33,19 @@ log = logging.getLogger(__name__)
 
 __all__ = ["KVTransportConnector"]
 
+# Version tolerance (docs/VLLM_COMPAT.md): optional vLLM features are detected, never
+# inferred from the version string.
 try:  # vLLM >= 0.32 reports failed receives by request id too
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 except ImportError:  # pragma: no cover - older layouts
     KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+
+try:  # hybrid KV cache manager interface (request_finished_all_groups)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:  # pragma: no cover - layouts without HMA: plain mixin, same method
+
+    class SupportsHMA:  # type: ignore[no-redef]
+        pass
 
 
 def _tp_info() -> tuple[int, int]:
@@ -53,6 +61,14 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
         self.cfg = ConnectorConfig.from_vllm(vllm_config)
+        if getattr(getattr(vllm_config, "model_config", None), "enable_sleep_mode", False):
+            # vLLM >= 0.33 refuses this itself (supports_sleep_mode below); 0.32 has no
+            # such check and would free / remap KV memory the backend still exposes.
+            raise ConnectorConfigError(
+                "KVTransportConnector does not support sleep mode: the KV cache stays registered with "
+                "the transport (peers read / write it directly), so it cannot be freed or remapped. "
+                "Start vLLM without --enable-sleep-mode."
+            )
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
         if len(groups) > 1:
             raise ConnectorConfigError(
@@ -79,6 +95,13 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
             if dtype == "auto":
                 dtype = str(vllm_config.model_config.dtype)
             self._worker = KVTransportWorker(self.cfg, block_size, num_blocks, dtype, tp_rank, tp_size)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM >= 0.33: sleep mode frees / remaps the KV cache; the transport keeps it
+        registered for peers, so refuse (as NIXL and MoRIIO do) rather than expose freed
+        memory. Ignored by vLLM 0.32, where ``__init__`` refuses instead."""
+        return False
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -1,9 +1,10 @@
 """Wire messages of the side channel (msgspec, versioned) and the scheduler -> worker metadata.
 
 Side-channel messages are tagged msgspec structs, one request and one reply per
-exchange, matched by ``cid``. Every message carries the protocol version and the
-optional shared token; the server refuses other versions or a wrong token with an
-:class:`Error` reply instead of acting on them.
+exchange, matched by ``cid``. Every message carries the protocol version; on the wire it
+is sealed with the cluster secret (:mod:`kvtransport.auth`, see :mod:`.side_channel`).
+Decoding is strict: unknown tags, unknown fields and wrong types are refused, and the
+version is read first so a peer of another version gets a message naming the mismatch.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = [
     "Error",
     "encode",
     "decode",
+    "peek_version",
     "RecvJob",
     "HoldJob",
     "PeerNotice",
@@ -63,10 +65,9 @@ class LayoutInfo(msgspec.Struct, frozen=True):
         return "; ".join(diffs)
 
 
-class Msg(msgspec.Struct, tag_field="t", kw_only=True):
+class Msg(msgspec.Struct, tag_field="t", kw_only=True, forbid_unknown_fields=True):
     v: int = PROTOCOL_VERSION
     cid: int = 0
-    token: str = ""
 
 
 class Hello(Msg, tag="hello"):
@@ -85,9 +86,14 @@ class Welcome(Msg, tag="welcome"):
 
 
 class Done(Msg, tag="done"):
-    """Consumer: "done reading these keys" (READ mode, read-then-confirm)."""
+    """Consumer: "done reading these keys" (READ mode, read-then-confirm).
+
+    ``instance`` is the producer agent instance the consumer read from: a producer
+    restarted at the same address (new memory) answers "stale" instead of "ok", so bytes
+    read from its previous incarnation are never accepted."""
 
     keys: list[str]
+    instance: str = ""
 
 
 class Renew(Msg, tag="renew"):
@@ -131,7 +137,8 @@ class Aborted(Msg, tag="aborted"):
 
 
 class Reply(Msg, tag="reply"):
-    """Generic reply: per-key status ("ok", "expired", "pending", "acked", "unknown")."""
+    """Generic reply: per-key status ("ok", "expired", "pending", "acked", "unknown",
+    "stale": read from another producer instance, "hello": hand-shake with me first)."""
 
     status: dict[str, str] = {}
 
@@ -146,12 +153,29 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(AnyMsg)
 
 
+class _Version(msgspec.Struct):
+    """Just the version of any message (other fields ignored), read before strict decoding."""
+
+    v: int = -1
+
+
+_VERSION_DECODER = msgspec.msgpack.Decoder(_Version)
+
+
 def encode(msg: Msg) -> bytes:
     return _ENCODER.encode(msg)
 
 
 def decode(data: bytes) -> Msg:
     return _DECODER.decode(data)
+
+
+def peek_version(data: bytes) -> int | None:
+    """The ``v`` field of a message body, or None when it is not a msgpack map."""
+    try:
+        return _VERSION_DECODER.decode(data).v
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 # --------------------------------------------------------------------------------------

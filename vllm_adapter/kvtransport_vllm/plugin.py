@@ -8,9 +8,20 @@ CONNECTOR_NAME = "KVTransportConnector"
 
 def register() -> None:
     """Register the connector with vLLM's factory; idempotent (vLLM loads plugins in
-    every process, sometimes more than once)."""
+    every process, sometimes more than once).
+
+    Uses only ``KVConnectorFactory.register_connector`` (public since vLLM 0.9, same in
+    0.32 and 0.33); the "already registered" test reads the private registry when it
+    exists and otherwise relies on the ValueError that ``register_connector`` raises for
+    a duplicate name.
+    """
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    if CONNECTOR_NAME in KVConnectorFactory._registry:
+    registry = getattr(KVConnectorFactory, "_registry", None)
+    if isinstance(registry, dict) and CONNECTOR_NAME in registry:
         return
-    KVConnectorFactory.register_connector(CONNECTOR_NAME, "kvtransport_vllm.connector", "KVTransportConnector")
+    try:
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, "kvtransport_vllm.connector", "KVTransportConnector")
+    except ValueError as exc:
+        if "already registered" not in str(exc):
+            raise

@@ -37,6 +37,11 @@ class KVTransportScheduler:
         self.loading: dict[str, str] = {}
         #: producer requests whose blocks are held for a consumer (req_id -> key)
         self.held: dict[str, str] = {}
+        #: consumer requests promised a remote load but not yet allocated (queued for
+        #: blocks): req_id -> (key, host, port). Their producer leases are renewed from
+        #: here, because no worker knows of them yet (lifecycle 2.5: "queued").
+        self.queued: dict[str, tuple[str, str, int]] = {}
+        self._last_queued_renew = 0.0
 
     # -- consumer -------------------------------------------------------------------
     def _remote_load(self, request: Request) -> tuple[dict[str, Any], Any, str] | None:
@@ -66,15 +71,17 @@ class KVTransportScheduler:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """``(n, True)`` when n > 0 tokens will be loaded asynchronously; else ``(0, False)``.
 
-        Side-effect free (vLLM may ask several times). n covers the whole prompt beyond
-        the local hit, like NIXL: after the load vLLM itself rewinds one token so the
-        decode engine computes the last prompt token and samples from it. A prompt
+        Idempotent (vLLM may ask several times, e.g. every step while the request waits
+        for free blocks): the only bookkeeping is noting the request as queued, so that
+        its producer lease is renewed until it is allocated. n covers the whole prompt
+        beyond the local hit, like NIXL: after the load vLLM itself rewinds one token so
+        the decode engine computes the last prompt token and samples from it. A prompt
         shorter than one block, or fully cached locally, loads nothing.
         """
         found = self._remote_load(request)
         if found is None:
             return 0, False
-        params, _, _ = found
+        params, peer, key = found
         num_prompt = request.num_prompt_tokens
         if num_prompt < self.block_size:
             return 0, False
@@ -82,9 +89,11 @@ class KVTransportScheduler:
         n = min(remote_tokens, num_prompt) - num_computed_tokens
         if n <= 0:
             return 0, False
+        self.queued[request.request_id] = (key, peer.host, peer.port)
         return n, True
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self.queued.pop(request.request_id, None)  # from now on the worker renews (or releases)
         found = self._remote_load(request)
         if found is None:
             return
@@ -119,8 +128,18 @@ class KVTransportScheduler:
 
     # -- both -----------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> KVTransportMetadata:
+        self._renew_queued()
         meta, self._meta = self._meta, KVTransportMetadata()
         return meta
+
+    def _renew_queued(self) -> None:
+        """Renew the producer leases of queued consumer requests (a few times per lease)."""
+        now = time.monotonic()
+        if not self.queued or now - self._last_queued_renew < max(0.05, self.cfg.lease_s / 4):
+            return
+        self._last_queued_renew = now
+        for key, host, port in self.queued.values():
+            self._meta.notices.append(PeerNotice(key, host, port, "renew"))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
@@ -128,6 +147,7 @@ class KVTransportScheduler:
         rid = request.request_id
         params = request.kv_transfer_params
         self.loading.pop(rid, None)
+        self.queued.pop(rid, None)
         if not params:
             return False, None
 

@@ -6,9 +6,18 @@ talk to it through a DEALER (:class:`SideChannelClient`), never blocking: the wo
 sends and later collects replies in its per-step progress, so a dead peer can never
 stall vLLM's engine loop.
 
-Bad input (undecodable, wrong version, wrong token, oversized: ZMQ drops those at
-``MAXMSGSIZE``) gets an :class:`~.messages.Error` reply or is dropped, and never reaches
-the handler.
+Authentication: the Welcome reply carries this agent's metadata (addresses and, for RDMA
+backends, remote keys); whoever gets it can read or write our KV cache. So every request
+and every reply is sealed with the cluster secret (:class:`kvtransport.auth.Authenticator`,
+HMAC-SHA256 over channel, direction, timestamp, nonce and body; replays and stale
+messages refused). A request that fails authentication never reaches the handler: it
+gets at most a short unsealed ``Error(code="auth")`` naming the fix, and once failures
+exceed ``auth_fail_rate`` per second (token bucket) not even that: it is dropped.
+
+Hostile input: ZMQ drops frames over ``max_message_bytes`` (``MAXMSGSIZE``) before they
+are read; bodies are decoded strictly (unknown tags, fields, wrong types refused); the
+version is checked before the body is interpreted; handler exceptions become ``Error``
+replies and never kill the thread.
 """
 
 from __future__ import annotations
@@ -16,16 +25,19 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import msgspec
 import zmq
 
-from .messages import PROTOCOL_VERSION, Error, Msg, decode, encode
+from kvtransport.auth import AuthError, Authenticator
+
+from .messages import PROTOCOL_VERSION, Error, Msg, decode, encode, peek_version
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SideChannelServer", "SideChannelClient", "SideChannelError"]
+__all__ = ["SideChannelServer", "SideChannelClient", "SideChannelError", "TokenBucket"]
 
 
 class SideChannelError(RuntimeError):
@@ -38,6 +50,24 @@ def _endpoint(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
 
+class TokenBucket:
+    """``rate`` events per second, bursts of ``burst``: :meth:`take` says whether one more fits."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate, self.burst = float(rate), float(burst)
+        self._tokens = float(burst)
+        self._t = time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self._tokens = min(self.burst, self._tokens + (now - self._t) * self.rate)
+        self._t = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return True
+        return False
+
+
 class SideChannelServer:
     """Serves ``handler(msg) -> reply`` on a ROUTER socket in a daemon thread."""
 
@@ -46,13 +76,18 @@ class SideChannelServer:
         host: str,
         port: int,
         handler: Callable[[Msg], Msg],
-        token: str = "",
+        *,
+        auth: Authenticator | None,
         max_message_bytes: int = 16 * 1024 * 1024,
         bind_host: str | None = None,
+        auth_fail_rate: float = 10.0,
+        auth_fail_burst: float = 20.0,
     ) -> None:
+        """``auth`` is required: pass None only when authentication is explicitly off."""
         self.host, self.port = host, port
         self._handler = handler
-        self._token = token
+        self._auth = auth
+        self._fail_bucket = TokenBucket(auth_fail_rate, auth_fail_burst)
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -69,7 +104,9 @@ class SideChannelServer:
                 "process already using it."
             ) from exc
         self._stop = threading.Event()
-        self.rejected = 0
+        #: refused requests by reason ("auth", "malformed", "version"), and refusals
+        #: dropped without any reply because the failure rate limit was exceeded
+        self.counters = {"served": 0, "auth": 0, "malformed": 0, "version": 0, "dropped": 0}
         self._thread = threading.Thread(target=self._run, name=f"kvt-side-channel-{port}", daemon=True)
         self._thread.start()
 
@@ -88,37 +125,53 @@ class SideChannelServer:
             if len(frames) < 2:
                 continue
             ident, payload = frames[0], frames[-1]
-            reply = self._handle(payload)
+            out = self._handle(payload)
+            if out is None:
+                continue
             try:
-                self._sock.send_multipart([ident, encode(reply)], zmq.NOBLOCK)
+                self._sock.send_multipart([ident, out], zmq.NOBLOCK)
             except zmq.ZMQError:
                 log.debug("side channel: reply to a vanished peer dropped")
         self._sock.close(0)
 
-    def _handle(self, payload: bytes) -> Msg:
+    def _refuse(self, code: str, message: str, cid: int = 0) -> bytes | None:
+        """A refusal reply, unsealed (it carries nothing secret); None once failures
+        exceed the rate limit, so a flood costs us no replies."""
+        self.counters[code] += 1
+        if not self._fail_bucket.take():
+            self.counters["dropped"] += 1
+            return None
+        if self.counters[code] in (1, 10, 100, 1000) or self.counters[code] % 10000 == 0:
+            log.warning("side channel %s:%d refused a request (%s, %d so far): %s",
+                        self.host, self.port, code, self.counters[code], message)
+        return encode(Error(cid=cid, code=code, message=message))
+
+    def _handle(self, payload: bytes) -> bytes | None:
+        """Reply bytes for one request frame (None: no reply)."""
+        body = payload
+        if self._auth is not None:
+            try:
+                body = self._auth.open(payload, "req")
+            except AuthError as exc:
+                return self._refuse("auth", f"side-channel request not authenticated ({exc}); set the same "
+                                    "side_channel_secret / KVTRANSPORT_SECRET on both engines")
+        v = peek_version(body)
+        if v is not None and v != PROTOCOL_VERSION:
+            return self._refuse("version", f"side-channel protocol version {v} is not {PROTOCOL_VERSION}; "
+                                "run the same kvtransport version on both engines")
         try:
-            msg = decode(payload)
+            msg = decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            self.rejected += 1
-            return Error(code="malformed", message=f"undecodable side-channel message: {exc}")
-        if msg.v != PROTOCOL_VERSION:
-            self.rejected += 1
-            return Error(
-                cid=msg.cid,
-                code="version",
-                message=f"side-channel protocol version {msg.v} is not {PROTOCOL_VERSION}; "
-                "run the same kvtransport version on both engines",
-            )
-        if self._token and msg.token != self._token:
-            self.rejected += 1
-            return Error(cid=msg.cid, code="auth", message="side_channel_token mismatch")
+            return self._refuse("malformed", f"undecodable side-channel message: {exc}")
         try:
             reply = self._handler(msg)
         except Exception as exc:  # the handler must never kill the thread
             log.exception("side channel handler failed on %s", type(msg).__name__)
-            return Error(cid=msg.cid, code="internal", message=str(exc))
+            reply = Error(code="internal", message=str(exc))
+        self.counters["served"] += 1
         reply.cid = msg.cid
-        return reply
+        out = encode(reply)
+        return self._auth.seal(out, "rep") if self._auth is not None else out
 
     def close(self) -> None:
         self._stop.set()
@@ -130,9 +183,13 @@ class SideChannelClient:
 
     _cids = itertools.count(1)
 
-    def __init__(self, host: str, port: int, token: str = "", max_message_bytes: int = 16 * 1024 * 1024):
+    def __init__(self, host: str, port: int, *, auth: Authenticator | None,
+                 max_message_bytes: int = 16 * 1024 * 1024):
+        """``auth`` is required: pass None only when authentication is explicitly off."""
         self.host, self.port = host, port
-        self._token = token
+        self._auth = auth
+        #: replies dropped: not authentic (forged, replayed, or the peer refused us), undecodable
+        self.counters = {"auth": 0, "malformed": 0}
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, int(max_message_bytes))
@@ -143,12 +200,22 @@ class SideChannelClient:
 
     def send(self, msg: Msg) -> int:
         msg.cid = next(self._cids)
-        msg.token = self._token
+        self._transmit(encode(msg))
+        return msg.cid
+
+    def seal(self, body: bytes) -> bytes:
+        """The wire frame of a request body (sealed unless auth is explicitly off)."""
+        return self._auth.seal(body, "req") if self._auth is not None else body
+
+    def _transmit(self, body: bytes) -> None:
+        """Seal and send one request body (the fault-injection seam of the soak tests)."""
+        self.send_frame(self.seal(body))
+
+    def send_frame(self, frame: bytes) -> None:
         try:
-            self._sock.send_multipart([encode(msg)], zmq.NOBLOCK)
+            self._sock.send_multipart([frame], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # HWM reached: the peer is not draining
             log.warning("side channel to %s:%s: send dropped (%s)", self.host, self.port, exc)
-        return msg.cid
 
     def poll(self) -> list[Msg]:
         out: list[Msg] = []
@@ -157,10 +224,34 @@ class SideChannelClient:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return out
+            body = frames[-1]
+            if self._auth is not None:
+                try:
+                    body = self._auth.open(body, "rep")
+                except AuthError as exc:
+                    self._unauthentic(body, exc)
+                    continue
             try:
-                out.append(decode(frames[-1]))
+                out.append(decode(body))
             except (msgspec.DecodeError, msgspec.ValidationError):
+                self.counters["malformed"] += 1
                 log.warning("side channel: undecodable reply from %s:%s dropped", self.host, self.port)
+
+    def _unauthentic(self, frame: bytes, exc: AuthError) -> None:
+        """Drop a reply that is not authentic. If it is the server's unsealed refusal, log
+        its reason (a hint for the operator only: it is never acted upon)."""
+        self.counters["auth"] += 1
+        hint = str(exc)
+        try:
+            msg = decode(frame)
+            if isinstance(msg, Error):
+                hint = f"peer says: {msg.message[:300]}"
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass
+        n = self.counters["auth"]
+        if n in (1, 10, 100) or n % 1000 == 0:
+            log.warning("side channel to %s:%s: reply not authenticated, dropped (%d so far): %s",
+                        self.host, self.port, n, hint)
 
     def close(self) -> None:
         self._sock.close(0)

@@ -150,6 +150,7 @@ class _Recv:
     peer_aborted: bool = False
     written: bool | None = None  # WRITE mode: producer's verdict
     write_requested: bool = False
+    instance: str = ""  # READ mode: producer agent instance the bytes were read from
 
 
 @dataclass
@@ -187,6 +188,8 @@ class KVTransportWorker:
         self.port = cfg.side_channel_port + tp_rank
         self.agent: Any = None
         self.server: SideChannelServer | None = None
+        #: seals/opens every side-channel message (None only if explicitly disabled)
+        self._auth = cfg.make_authenticator()
         self.layout: LayoutInfo | None = None
         self._local_layouts: list[kvt.BlockLayout] = []
         self._agent_md = b""
@@ -249,7 +252,7 @@ class KVTransportWorker:
                 self.cfg.side_channel_host,
                 self.port,
                 self._handle,
-                token=self.cfg.side_channel_token,
+                auth=self._auth,
                 max_message_bytes=self.cfg.max_message_bytes,
             )
         except Exception:
@@ -341,8 +344,8 @@ class KVTransportWorker:
         port = port + self.tp_rank
         p = self._peers.get((host, port))
         if p is None:
-            p = _PeerConn(host, port, SideChannelClient(host, port, self.cfg.side_channel_token,
-                                                        self.cfg.max_message_bytes))
+            p = _PeerConn(host, port, SideChannelClient(host, port, auth=self._auth,
+                                                        max_message_bytes=self.cfg.max_message_bytes))
             self._peers[(host, port)] = p
         if p.state in ("new",) or (p.state == "hello" and time.monotonic() - p.last_hello > 1.0):
             assert self.layout is not None
@@ -408,12 +411,24 @@ class KVTransportWorker:
                     elif status == "expired":
                         r.error = "producer lease expired before confirmation (stale read refused)"
                         self._finish_recv(r, ok=False)
+                    elif status == "stale":
+                        # we read from a previous incarnation of the producer (restarted at
+                        # this address): those bytes are not its; hand-shake again
+                        r.error = "producer restarted since the hand-shake (stale read refused)"
+                        self._reset_peer(r.job)
+                        self._send_release(r.job)
+                        self._finish_recv(r, ok=False)
                     # "pending": the producer has not learnt of the key yet; resend later
                 elif r.state == "cancel" and status in ("acked", "expired"):
                     self._finish_recv(r, ok=False)
                 elif r.state == "write_wait" and status == "expired":
                     r.error = "producer no longer holds this request"
                     self._start_giving_up(r)
+                elif r.state == "write_wait" and status == "hello":
+                    # the producer does not know us (it restarted): hand-shake again;
+                    # the write request is re-sent until the deadline
+                    self._reset_peer(r.job)
+                    self._peer(r.job.host, r.job.port)
 
     # ------------------------------------------------------------------ consumer
     def _advance_consumer(self, now: float) -> None:
@@ -492,6 +507,7 @@ class KVTransportWorker:
         try:
             remote = kvt.Segments.concat([lay.segments(np.asarray(job.remote_block_ids, np.int64)) for lay in p.layouts])
             r.transfer = self.agent.read(p.kvt_peer, local, remote, timeout=max(0.001, r.deadline - now))
+            r.instance = p.kvt_peer.instance
         except kvt.errors.KVTransportError as exc:
             r.error = f"read refused: {exc}"
             self._reset_peer(job)
@@ -510,7 +526,7 @@ class KVTransportWorker:
 
     def _send_confirm(self, r: _Recv, now: float) -> None:
         p = self._peer(r.job.host, r.job.port)
-        r.cid = p.client.send(Done(keys=[r.job.key]))
+        r.cid = p.client.send(Done(keys=[r.job.key], instance=r.instance))
         r.last_sent = now
 
     def _send_write_req(self, r: _Recv, now: float) -> None:
@@ -564,13 +580,19 @@ class KVTransportWorker:
         if not self._notices:
             return
         notices, self._notices = self._notices, []
+        renew: dict[tuple[str, int], list[str]] = {}
         for n, _ in notices:
+            if n.kind == "renew":  # queued consumer request (scheduler side): keep X's lease
+                renew.setdefault((n.host, n.port + self.tp_rank), []).append(n.key)
+                continue
             if n.kind == "aborted":
                 with self._lock:  # later "write into"/"done" for it get "expired", not "pending"
                     self._ended[n.key] = "aborted"
                     self._early_dest.pop(n.key, None)
             client = self._client_to(n.host, n.port + self.tp_rank)
             client.send(Release(keys=[n.key]) if n.kind == "release" else Aborted(keys=[n.key]))
+        for (host, port), keys in renew.items():
+            self._client_to(host, port).send(Renew(keys=keys))
 
     def _renew(self, now: float) -> None:
         if now - self._last_renew < max(0.05, self.cfg.lease_s / 4):
@@ -590,7 +612,7 @@ class KVTransportWorker:
     def _client_to(self, host: str, port: int) -> SideChannelClient:
         c = self._reply_clients.get((host, port))
         if c is None:
-            c = SideChannelClient(host, port, self.cfg.side_channel_token, self.cfg.max_message_bytes)
+            c = SideChannelClient(host, port, auth=self._auth, max_message_bytes=self.cfg.max_message_bytes)
             self._reply_clients[(host, port)] = c
         return c
 
@@ -722,6 +744,9 @@ class KVTransportWorker:
                         status[key] = "acked" if isinstance(msg, (Release, Cancel)) else "expired"
                         continue
                     if isinstance(msg, Done):
+                        if msg.instance and msg.instance != self.agent.instance:
+                            status[key] = "stale"  # read from our previous incarnation's memory
+                            continue
                         self._end_hold(h, "done")
                         status[key] = "ok"
                     elif isinstance(msg, Renew):
@@ -735,7 +760,15 @@ class KVTransportWorker:
             elif isinstance(msg, WriteReq):
                 dest = (msg.engine_id, list(msg.block_ids), msg.reply_host, msg.reply_port)
                 h = self._holds.get(msg.key)
-                if h is not None:
+                if msg.engine_id not in self._consumer_md and msg.key not in self._ended:
+                    # we cannot write to a consumer we never hand-shook with (we restarted)
+                    status[msg.key] = "hello"
+                    if h is not None and h.dest is None:
+                        h.dest = dest
+                        h.expiry = now + self.cfg.lease_s
+                    elif h is None:
+                        self._early_dest[msg.key] = (dest, now + self.cfg.lease_s)
+                elif h is not None:
                     if h.dest is None:
                         h.dest = dest
                     h.expiry = now + self.cfg.lease_s
