@@ -9,6 +9,7 @@ local prefix cache never hides a remote load.
 from __future__ import annotations
 
 import random
+import zlib
 
 import openai
 
@@ -59,18 +60,18 @@ def restart_prompts(vocab: int, seed: int) -> list[list[int]]:
     return [_ids(rng, n, vocab) for n in (2 * BLOCK_SIZE + 5,)]
 
 
-#: Each pair (backend, mode) gets its own seed so a shared prompt never comes from
-#: another test; these are the seeds the tests use.
-PAIR_SEEDS = {("loopback", "read"): 1, ("loopback", "write"): 2, ("ucx", "read"): 3, ("ucx", "write"): 4}
+def pair_seed(backend: str, mode: str) -> int:
+    """Each pair (backend, mode) gets its own prompts, so a prompt a test sends was never
+    seen by that pair's engines before (their prefix caches cannot hide a remote load)."""
+    return zlib.crc32(f"{backend}-{mode}".encode()) % 100_000
 
 
-def all_prompts(vocab: int) -> list[tuple[list[int], int]]:
+def all_prompts(vocab: int, seeds: list[int]) -> list[tuple[list[int], int]]:
     """Every (prompt, max_tokens) any test asks, so the baseline engine answers them all once."""
     out = []
-    for seed in PAIR_SEEDS.values():
+    for seed in seeds:
         for fn in (correctness_prompts, concurrent_prompts, kill_prompts, kill_proxy_prompts,
-                   after_kill_prompts,
-                   restart_prompts):
+                   after_kill_prompts, restart_prompts):
             out += [(p, MAX_TOKENS) for p in fn(vocab, seed)]
     return out
 
