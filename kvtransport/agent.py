@@ -342,6 +342,17 @@ class Agent:
                 raise UnknownPeerError(f"peer {peer.name!r} is not connected to {self.name!r}")
             self._drop_peer(peer, f"peer {peer.name!r} disconnected")
 
+    def peer_alive(self, peer: Peer) -> bool | None:
+        """True: the peer's process runs; False: it is known gone, so no transfer it
+        posted into our memory can land any more; None: the backend cannot tell.
+        Works for a replaced or disconnected ``Peer`` too (the old process)."""
+        with self._lock:
+            self._check_open()
+            try:
+                return self._backend.peer_alive(peer._handle)
+            except Exception:
+                return None
+
     def _drop_peer(self, peer: Peer, reason: str) -> None:
         self._peers.pop(peer.name, None)
         try:

@@ -116,6 +116,10 @@ class FaultInjectingBackend(Backend):
     def disconnect(self, peer: Any) -> None:
         self.inner.disconnect(peer)
 
+    def peer_alive(self, peer: Any) -> bool | None:
+        # An injected kill is simulated: the real process may still write. Ask the backend.
+        return self.inner.peer_alive(peer)
+
     def post(self, req: PostRequest) -> Any:
         plan = self.plan
         if req.peer_name in self._killed:

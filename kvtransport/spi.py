@@ -235,6 +235,12 @@ class Backend(abc.ABC):
     def disconnect(self, peer: Any) -> None:
         """Forget a peer. Pending transfers to it must end (FAILED, quiesced if possible)."""
 
+    def peer_alive(self, peer: Any) -> bool | None:
+        """Is the peer's process alive (True), known gone so that nothing it posted can
+        land any more (False), or unknown (None, the default)? Lets owners of memory a
+        dead peer was writing into reuse it without waiting for a lease to lapse."""
+        return None
+
     # -- data path ------------------------------------------------------------
     @abc.abstractmethod
     def post(self, req: PostRequest) -> Any:

@@ -187,6 +187,10 @@ class LoopbackBackend(Backend):
             del self._peers[peer.name]
         self._retire(peer)
 
+    def peer_alive(self, peer: _Peer) -> bool | None:
+        # pid + start time: a recycled pid is not the peer.
+        return peer.alive()
+
     def _retire(self, peer: _Peer) -> None:
         peer.gone = True
 

@@ -311,6 +311,12 @@ class UcxBackend(Backend):
         for x in list(conn.xfers):
             self._fail(x, reason)
 
+    def peer_alive(self, peer: _Conn) -> bool | None:
+        """Same host: pid + start time; across hosts only UCX's own failure report."""
+        if peer.dead or (peer.same_host and not peer.ident.is_alive()):
+            return False
+        return True if peer.same_host else None
+
     def disconnect(self, peer: _Conn) -> None:
         with self._w.lock:
             self._drop(peer, f"peer {peer.name!r} disconnected")

@@ -77,8 +77,12 @@ def test_dead_peer_refused_at_connect_and_fails_fast_when_connected(child):
         dst = np.zeros(4 * 4096, np.uint8)
         r = a.register(dst)
         peer = a.connect(good)
+        assert a.peer_alive(peer) is True
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
+        # Known gone: nothing it posted can land any more (lets WRITE-mode consumers free
+        # blocks the dead producer was writing into without waiting for its lease).
+        assert a.peer_alive(peer) is False
         # Already connected: the next transfer fails at once (detects_peer_failure), not at
         # its 30 s deadline.
         t = a.read(peer, r.whole(), peer.regions[0].whole(), timeout=30)

@@ -151,6 +151,9 @@ class _Recv:
     written: bool | None = None  # WRITE mode: producer's verdict
     write_requested: bool = False
     instance: str = ""  # READ mode: producer agent instance the bytes were read from
+    # WRITE mode: the producer processes our write requests reached (None: sent while the
+    # hand-shake was not complete, so the receiving process is unknown).
+    writers: list = field(default_factory=list)
 
 
 @dataclass
@@ -490,12 +493,22 @@ class KVTransportWorker:
             elif r.state == "cancel":
                 if now - r.last_sent > 0.05:
                     self._send_cancel(r, now)
-                if now >= r.deadline + self.cfg.lease_s + self.cfg.transfer_timeout_s:
+                if self._writers_gone(r):
+                    # Every process that could write into our blocks has exited: a dead
+                    # process cannot write (lifecycle 3.3, "P is known gone").
+                    r.error += "; producer process is gone: no write can land any more"
+                    self._finish_recv(r, ok=False)
+                elif now >= r.deadline + self.cfg.lease_s + self.cfg.transfer_timeout_s:
                     # Producer unreachable for longer than its lease plus a transfer
                     # deadline: it can no longer write into our blocks (it dropped the
                     # hold and any write it posted has ended). Known gone.
                     r.error += "; producer unreachable, considered gone"
                     self._finish_recv(r, ok=False)
+
+    def _writers_gone(self, r: _Recv) -> bool:
+        if not r.writers or any(w is None for w in r.writers):
+            return False
+        return all(self.agent.peer_alive(w) is False for w in r.writers)
 
     def _start(self, r: _Recv, p: _PeerConn, now: float) -> None:
         job = r.job
@@ -531,6 +544,9 @@ class KVTransportWorker:
 
     def _send_write_req(self, r: _Recv, now: float) -> None:
         p = self._peer(r.job.host, r.job.port)
+        writer = p.kvt_peer if p.state == "ready" else None
+        if not any(w is writer for w in r.writers):
+            r.writers.append(writer)
         r.cid = p.client.send(WriteReq(key=r.job.key, block_ids=list(r.job.local_block_ids), engine_id=self.name,
                                        reply_host=self.cfg.side_channel_host, reply_port=self.port))
         r.last_sent = now
