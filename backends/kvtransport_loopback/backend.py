@@ -241,9 +241,11 @@ class LoopbackBackend(Backend):
 
     def _copy(self, job: _Job, req: PostRequest, peer: _Peer, part: slice | tuple[int, int, int]) -> None:
         with job.lock:
-            if job.cancelled or job.error is not None:
-                return self._part_done(job, req, peer)
-            job.started = True
+            skip = job.cancelled or job.error is not None
+            if not skip:
+                job.started = True
+        if skip:  # outside the lock: _part_done takes it again
+            return self._part_done(job, req, peer)
         try:
             if isinstance(part, slice):
                 la, ra, ln = req.local_addr[part], req.remote_addr[part], req.length[part]
