@@ -135,7 +135,9 @@ class LoopbackBackend(Backend):
         ndir = options.get("notify_dir") or self._own_dir
         self._ipc_path = os.path.join(ndir, f"{uuid.uuid4().hex[:16]}.sock")
         self.notify_addr = f"ipc://{self._ipc_path}"
-        self._ctx = zmq.Context()
+        # The process-wide context: a per-agent context would be terminated by the garbage
+        # collector when an agent is dropped without close(), which can block forever.
+        self._ctx = zmq.Context.instance()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
@@ -348,7 +350,6 @@ class LoopbackBackend(Backend):
             self._retire(p)
         self._notifier.shutdown(wait=True)
         self._pull.close(0)
-        self._ctx.term()
         for path, rm in ((self._ipc_path, os.unlink), (self._own_dir, os.rmdir)):
             try:
                 if path:

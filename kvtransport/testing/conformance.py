@@ -282,8 +282,9 @@ def test_malformed_metadata_refused_agent_keeps_serving(fresh):
     for blob in bad:
         with pytest.raises(errors.PeerMetadataError):
             fresh.local.connect(blob)
-    with pytest.raises(errors.PeerMetadataError):
-        kvt.open(fresh.case.backend, name="tiny-cap", max_metadata_bytes=16, **fresh.case.options).connect(good)
+    with kvt.open(fresh.case.backend, name="tiny-cap", max_metadata_bytes=16, **fresh.case.options) as tiny:
+        with pytest.raises(errors.PeerMetadataError):
+            tiny.connect(good)
     t = fresh.local.read(fresh.peer, fresh.region.segments([0], [BLOCK]), fresh.remote.segments([0], [BLOCK]))
     assert t.wait(30).ok
 
