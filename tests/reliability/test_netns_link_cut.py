@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import kvtransport as kvt
-from test_ucx_netns import _ip  # tests/ucx: `ip` in or outside a namespace
+from netns_helpers import ip, veth_namespaces  # tests/ucx, on the path by conftest
 from ucx_helpers import expected_bytes, sha
 
 pytestmark = pytest.mark.timeout(180)
@@ -72,33 +71,9 @@ def link():
     info = {b.name: b for b in kvt.available_backends()}
     if "ucx" not in info or not info["ucx"].usable:
         pytest.skip(f"ucx backend not usable here: {info.get('ucx') and info['ucx'].reason}")
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        pytest.skip("iproute2 'ip'/'tc' not found; cannot create network namespaces")
-    tag = secrets.token_hex(3)
-    ns_a, ns_b = f"kvt-cut-a-{tag}", f"kvt-cut-b-{tag}"
-    dev_a, dev_b = f"kca{tag}", f"kcb{tag}"
-    made: list[str] = []
-    try:
-        r = _ip("netns", "add", ns_a)
-        if r.returncode != 0:
-            pytest.skip(f"cannot create a network namespace (needs root/CAP_SYS_ADMIN): {r.stderr.strip()}")
-        made.append(ns_a)
-        assert _ip("netns", "add", ns_b).returncode == 0
-        made.append(ns_b)
-        for ns, args in [
-            (None, ["link", "add", dev_a, "type", "veth", "peer", "name", dev_b]),
-            (None, ["link", "set", dev_a, "netns", ns_a]),
-            (None, ["link", "set", dev_b, "netns", ns_b]),
-            (ns_a, ["addr", "add", "10.250.7.1/30", "dev", dev_a]),  # only inside our namespaces
-            (ns_b, ["addr", "add", "10.250.7.2/30", "dev", dev_b]),
-            (ns_a, ["link", "set", dev_a, "up"]),
-            (ns_b, ["link", "set", dev_b, "up"]),
-            (ns_a, ["link", "set", "lo", "up"]),
-            (ns_b, ["link", "set", "lo", "up"]),
-        ]:
-            r = _ip(*args, ns=ns)
-            if r.returncode != 0:
-                pytest.skip(f"cannot set up the veth pair ({' '.join(args)}): {r.stderr.strip()}")
+    if shutil.which("tc") is None:
+        pytest.skip("iproute2 'tc' not found; cannot shape the veth link")
+    with veth_namespaces("kvt-cut", "kc", ("10.250.7.1/30", "10.250.7.2/30")) as ((ns_a, dev_a), (ns_b, dev_b)):
         # Slow the B -> A direction (READ payload) so the big READ is surely in flight when
         # the link goes down: 64 MiB at 200 Mbit/s takes ~2.7 s.
         r = subprocess.run(["ip", "netns", "exec", ns_b, "tc", "qdisc", "add", "dev", dev_b, "root", "tbf",
@@ -107,9 +82,6 @@ def link():
         if r.returncode != 0:
             pytest.skip(f"cannot shape the veth link with tc: {r.stderr.strip()}")
         yield (ns_a, dev_a), (ns_b, dev_b)
-    finally:
-        for ns in made:
-            _ip("netns", "del", ns)  # removes the veth pair with it
 
 
 def _segs(base: int, n: int) -> list[list[int]]:
@@ -129,7 +101,7 @@ def test_link_cut_mid_transfer_fails_by_deadline_then_recovers(link):
         big = a.call(cmd="post", op="read", local=_segs(0, 64), remote=_segs(0, 64), timeout=DEADLINE_S)
         st = a.call(cmd="wait", id=big["id"], limit=0.5)
         assert st["state"] == "PENDING", f"the READ ended before the cut ({st}); slow the link more"
-        assert _ip("link", "set", dev_a, "down", ns=ns_a).returncode == 0
+        assert ip("link", "set", dev_a, "down", ns=ns_a).returncode == 0
         st = a.call(cmd="wait", id=big["id"], limit=DEADLINE_S + SLACK_S)
         assert st["state"] == "FAILED", st
         assert st["age"] <= DEADLINE_S + SLACK_S, f"failed only after {st['age']:.1f}s (deadline {DEADLINE_S}s)"
@@ -139,7 +111,7 @@ def test_link_cut_mid_transfer_fails_by_deadline_then_recovers(link):
         assert a.call(cmd="status", id=big["id"])["quiesced"] is True
 
         # 2. the link is restored: later transfers succeed, byte-exact, both directions
-        assert _ip("link", "set", dev_a, "up", ns=ns_a).returncode == 0
+        assert ip("link", "set", dev_a, "up", ns=ns_a).returncode == 0
         rd = a.call(cmd="post", op="read", local=_segs(0, 8), remote=_segs(16 * SEG, 8), timeout=30)
         st = a.call(cmd="wait", id=rd["id"], limit=35)
         assert st["state"] == "DONE", st

@@ -4,24 +4,18 @@ the reason) where creating network namespaces is not permitted (no root, no ipro
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 
 import pytest
 
 import kvtransport as kvt
+import netns_helpers
 from ucx_helpers import PeerProcess, expected_bytes, sha
 
 pytestmark = pytest.mark.timeout(120)
 
 SIZE = 8 << 20
 BLOCK = 64 << 10
-
-
-def _ip(*args: str, ns: str | None = None) -> subprocess.CompletedProcess:
-    cmd = ["ip", *(["netns", "exec", ns, "ip"] if ns else []), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=20)
 
 
 def _counter(ns: str, dev: str, name: str) -> int:
@@ -35,39 +29,8 @@ def veth_namespaces():
     info = {b.name: b for b in kvt.available_backends()}
     if "ucx" not in info or not info["ucx"].usable:
         pytest.skip(f"ucx backend not usable here: {info.get('ucx') and info['ucx'].reason}")
-    if shutil.which("ip") is None:
-        pytest.skip("iproute2 'ip' command not found; cannot create network namespaces")
-    tag = f"{os.getpid() % 100000}"
-    ns_a, ns_b = f"kvt-a-{tag}", f"kvt-b-{tag}"
-    dev_a, dev_b = f"kva{tag}", f"kvb{tag}"
-    made: list[str] = []
-    try:
-        r = _ip("netns", "add", ns_a)
-        if r.returncode != 0:
-            pytest.skip(f"cannot create a network namespace (needs root/CAP_SYS_ADMIN): {r.stderr.strip()}")
-        made.append(ns_a)
-        assert _ip("netns", "add", ns_b).returncode == 0
-        made.append(ns_b)
-        steps = [
-            (None, ["link", "add", dev_a, "type", "veth", "peer", "name", dev_b]),
-            (None, ["link", "set", dev_a, "netns", ns_a]),
-            (None, ["link", "set", dev_b, "netns", ns_b]),
-            # Addresses exist only inside the namespaces this test created.
-            (ns_a, ["addr", "add", "10.213.77.1/24", "dev", dev_a]),
-            (ns_b, ["addr", "add", "10.213.77.2/24", "dev", dev_b]),
-            (ns_a, ["link", "set", dev_a, "up"]),
-            (ns_b, ["link", "set", dev_b, "up"]),
-            (ns_a, ["link", "set", "lo", "up"]),
-            (ns_b, ["link", "set", "lo", "up"]),
-        ]
-        for ns, args in steps:
-            r = _ip(*args, ns=ns)
-            if r.returncode != 0:
-                pytest.skip(f"cannot set up the veth pair ({' '.join(args)}): {r.stderr.strip()}")
-        yield (ns_a, dev_a), (ns_b, dev_b)
-    finally:
-        for ns in made:
-            _ip("netns", "del", ns)  # removes the veth pair with it
+    with netns_helpers.veth_namespaces("kvt", "kv", ("10.213.77.1/24", "10.213.77.2/24")) as ends:
+        yield ends
 
 
 def test_agents_in_two_namespaces_move_bytes_over_veth(veth_namespaces):

@@ -17,7 +17,7 @@ from harness import Pair, finish_reason, prompt_of
 from kvtransport.auth import Authenticator
 from kvtransport.metadata import decode_metadata
 from kvtransport_vllm.config import AUTH_CHANNEL, ConnectorConfig, ConnectorConfigError
-from kvtransport_vllm.messages import Error, Hello, Welcome, decode, encode
+from kvtransport_vllm.messages import Error, Hello, Renew, Reply, Welcome, decode, encode
 
 pytestmark = pytest.mark.timeout(120)
 TEST_SECRET = "kvtransport-test-cluster-secret"  # tests/vllm/conftest.py
@@ -148,6 +148,61 @@ def test_control_authentic_peer_does_get_the_descriptor(pair):
     assert isinstance(msg, Welcome)
     secrets = _secret_bytes(pw)
     assert all(blob in reply for blob in secrets.values())
+
+
+def _flood(port, frames: list[bytes], barrier: bytes, timeout=10.0) -> tuple[list[bytes], bytes]:
+    """Send ``frames`` then ``barrier`` on one socket; the server handles one peer's frames
+    in order, so the barrier's reply means every frame before it was handled. Returns the
+    replies to ``frames`` (a refusal the rate limit drops gets none) and the barrier's."""
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        for f in frames:
+            s.send(f)
+        s.send(barrier)
+        replies = []
+        while s.poll(int(timeout * 1000)):
+            r = s.recv()
+            try:
+                if isinstance(decode(r), Error):
+                    replies.append(r)  # the unsealed refusals
+                    continue
+            except msgspec.DecodeError:
+                pass
+            return replies, r  # sealed: the barrier's reply
+        raise AssertionError(f"no reply to the barrier within {timeout}s ({len(replies)} refusals seen)")
+    finally:
+        s.close(0)
+
+
+@pytest.mark.parametrize("n", [5, 100])
+def test_auth_failures_reach_connector_stats(pair, n):
+    """Bad-secret requests show in vLLM's metrics (``get_kv_connector_stats``), counted
+    since the last report. 5 stay under the refusal rate limit (burst 20): each is refused
+    with a reply. 100 at once exceed it: the ones beyond are dropped unanswered, and
+    counted both as authentication failures and as dropped."""
+    connector, cw = pair.P.worker, pair.C.worker._worker
+    connector.get_kv_connector_stats()  # start a fresh interval
+    wrong = Authenticator(b"guessed-wrong-secret-0000", AUTH_CHANNEL)
+    good = Authenticator(TEST_SECRET.encode(), AUTH_CHANNEL)
+    refusals, barrier = _flood(pair.p_port, [wrong.seal(_hello(cw), "req") for _ in range(n)],
+                               good.seal(encode(Renew(keys=[])), "req"))
+    assert isinstance(decode(good.open(barrier, "rep")), Reply)
+    assert all(decode(r).code == "auth" for r in refusals)
+
+    stats = connector.get_kv_connector_stats()
+    assert stats is not None
+    red = stats.reduce()
+    assert red["kv_side_channel_auth_failures"] == n
+    assert red["kv_side_channel_dropped"] == n - len(refusals)
+    if n == 5:
+        assert len(refusals) == 5
+    else:
+        assert red["kv_side_channel_dropped"] > 0, "the flood never hit the rate limit"
+    assert red["kv_side_channel_malformed"] == red["kv_side_channel_version_mismatch"] == 0
+    # the authentic barrier is served, not counted as a refusal; nothing new since: no report
+    assert connector.get_kv_connector_stats() is None
 
 
 def test_engines_with_different_secrets_never_connect(no_env):

@@ -9,25 +9,11 @@ import time
 import pytest
 
 import kvtransport_vllm.side_channel as sc
-from harness import Pair, finish_reason, prompt_of
+from harness import finish_reason, prompt_of
 from kvtransport_vllm.messages import Done, Written
 from vllm.v1.request import RequestStatus
 
 POLICIES = ["recompute", "fail"]
-
-
-@pytest.fixture
-def pairs():
-    made = []
-
-    def make(*a, **kw):
-        p = Pair(*a, **kw)
-        made.append(p)
-        return p
-
-    yield make
-    for p in made:
-        p.close()
 
 
 def _outcome(pair, rid, prompt, policy, started, deadline_s):

@@ -20,26 +20,12 @@ import time
 import pytest
 
 import kvtransport_vllm.side_channel as sc
-from harness import Pair, finish_reason, prompt_of
+from harness import finish_reason, prompt_of
 from kvtransport_vllm.messages import Hello, Renew
 from vllm.v1.request import RequestStatus
 
 TIMEOUT_S = 2.5
 LEASE_S = 2.5  # == transfer_timeout_s: the smallest lease the connector accepts
-
-
-@pytest.fixture
-def pairs():
-    made = []
-
-    def make(*a, **kw):
-        p = Pair(*a, **kw)
-        made.append(p)
-        return p
-
-    yield make
-    for p in made:
-        p.close()
 
 
 def _drop_sends(monkeypatch, pred):

@@ -6,22 +6,8 @@ requests), R4 (no leak).
 
 import pytest
 
-from harness import Pair, finish_reason, prompt_of
+from harness import finish_reason, prompt_of
 from vllm.v1.request import RequestStatus
-
-
-@pytest.fixture
-def pair_factory():
-    made = []
-
-    def make(*a, **kw):
-        p = Pair(*a, **kw)
-        made.append(p)
-        return p
-
-    yield make
-    for p in made:
-        p.close()
 
 
 def _status_trace(pair, rid):
@@ -37,8 +23,8 @@ def _status_trace(pair, rid):
 
 
 @pytest.mark.parametrize("mode", ["read", "write"])
-def test_lifecycle_waiting_remote_running_finished_no_leak(pair_factory, mode):
-    pair = pair_factory(mode)
+def test_lifecycle_waiting_remote_running_finished_no_leak(pairs, mode):
+    pair = pairs(mode)
     prompt = prompt_of(70)
     params = pair.prefill("p1", prompt)
     assert params["do_remote_prefill"] and params["kvtransport_mode"] == mode
@@ -80,9 +66,9 @@ def test_lifecycle_waiting_remote_running_finished_no_leak(pair_factory, mode):
 
 
 @pytest.mark.parametrize("mode", ["read", "write"])
-def test_router_compound_ids_route_without_params_address(pair_factory, mode):
+def test_router_compound_ids_route_without_params_address(pairs, mode):
     """MoRIIO-router style: addresses come from the request id, not from kv_transfer_params."""
-    pair = pair_factory(mode)
+    pair = pairs(mode)
     uuid = "feedfacecafebeef0123456789abcdef"
     rid = (f"___prefill_addr_host:127.0.0.1,handshake:{pair.p_port},notify:1"
            f"___decode_addr_host:127.0.0.1,handshake:{pair.c_port},notify:2_{uuid}")
@@ -98,10 +84,10 @@ def test_router_compound_ids_route_without_params_address(pair_factory, mode):
     pair.assert_no_leak()
 
 
-def test_write_mode_concurrent_router_flow_consumer_first(pair_factory):
+def test_write_mode_concurrent_router_flow_consumer_first(pairs):
     """WRITE with the router sending to both engines at once: the consumer's block ids
     reach the producer before its prefill is done; the producer queues them."""
-    pair = pair_factory("write")
+    pair = pairs("write")
     uuid = "00000000000000000000000000000abc"
     rid = (f"___prefill_addr_host:127.0.0.1,handshake:{pair.p_port},notify:1"
            f"___decode_addr_host:127.0.0.1,handshake:{pair.c_port},notify:2_{uuid}")
@@ -117,10 +103,10 @@ def test_write_mode_concurrent_router_flow_consumer_first(pair_factory):
     pair.assert_no_leak()
 
 
-def test_short_prompt_is_synchronous_zero_and_frees_producer(pair_factory):
+def test_short_prompt_is_synchronous_zero_and_frees_producer(pairs):
     """Prompt shorter than a block: (0, False), never an async load of 0 tokens; the
     producer's held blocks are released anyway (R4, R5)."""
-    pair = pair_factory("read")
+    pair = pairs("read")
     prompt = prompt_of(10, seed=3)
     params = pair.prefill("p1", prompt)
     req = pair.C.add("c1", prompt, 2, params)
@@ -132,8 +118,8 @@ def test_short_prompt_is_synchronous_zero_and_frees_producer(pair_factory):
     pair.assert_no_leak()
 
 
-def test_fully_computed_locally_is_synchronous_zero(pair_factory):
-    pair = pair_factory("read")
+def test_fully_computed_locally_is_synchronous_zero(pairs):
+    pair = pairs("read")
     prompt = prompt_of(48, seed=4)
     params = pair.prefill("p1", prompt)
     req = pair.C.add("c1", prompt, 2, params)
@@ -143,10 +129,10 @@ def test_fully_computed_locally_is_synchronous_zero(pair_factory):
     pair.assert_no_leak()
 
 
-def test_local_prefix_hit_loads_only_the_tail(pair_factory):
+def test_local_prefix_hit_loads_only_the_tail(pairs):
     """A local prefix-cache hit on the consumer: only the blocks beyond it are read, into
     the right local blocks (remote block ids sliced past the local hit)."""
-    pair = pair_factory("read")
+    pair = pairs("read")
     prompt = prompt_of(40, seed=6)
     pair.C.add("warm", prompt, 1, None)
     pair.run(lambda: pair.C.status("warm") is None)
@@ -169,8 +155,8 @@ def test_local_prefix_hit_loads_only_the_tail(pair_factory):
     pair.assert_no_leak()
 
 
-def test_several_requests_interleaved(pair_factory):
-    pair = pair_factory("read")
+def test_several_requests_interleaved(pairs):
+    pair = pairs("read")
     prompts = {f"r{i}": prompt_of(20 + 17 * i, seed=i) for i in range(5)}
     for rid, pr in prompts.items():
         pair.prefill("p" + rid, pr)

@@ -182,6 +182,12 @@ def test_stats_contract():
     assert all(isinstance(v, (int, float)) for v in red.values())
     a.reset()
     assert a.is_empty()
+    # side-channel refusals alone are worth a report, and add up across workers
+    c = KVTransportStats({"sc_auth_failures": 2, "sc_dropped": 1})
+    assert not c.is_empty()
+    red = c.aggregate(KVTransportStats({"sc_auth_failures": 3, "sc_malformed": 1, "sc_version_mismatch": 4})).reduce()
+    assert (red["kv_side_channel_auth_failures"], red["kv_side_channel_malformed"],
+            red["kv_side_channel_version_mismatch"], red["kv_side_channel_dropped"]) == (5, 1, 4, 1)
 
 
 def test_signature_check_detects_drift():

@@ -217,6 +217,10 @@ class KVTransportWorker:
         self._done_sending: set[str] = set()
         # stats since last get_stats()
         self._stats = _new_stats()
+        #: side-channel refusal totals at the last take_stats(), to report differences
+        self._side_channel_reported = _side_channel_zero()
+        #: totals of side-channel sockets already closed (shutdown), so totals never go down
+        self._side_channel_closed = _side_channel_zero()
 
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -266,6 +270,7 @@ class KVTransportWorker:
                  self.name, len(layers), self.cfg.backend, self.cfg.side_channel_host, self.port)
 
     def shutdown(self) -> None:
+        self._side_channel_closed = self._side_channel_totals()
         if self.server is not None:
             self.server.close()
             self.server = None
@@ -339,7 +344,31 @@ class KVTransportWorker:
         return out
 
     def take_stats(self) -> dict[str, Any]:
-        out, self._stats = self._stats, _new_stats()
+        """Counters since the last call. The side-channel refusals are kept as running
+        totals by the sockets themselves (the server's thread counts them, and its log
+        throttling reads them), so they are reported as the difference to the last call."""
+        with self._lock:
+            out, self._stats = self._stats, _new_stats()
+            totals = self._side_channel_totals()
+            for k, v in totals.items():
+                out[k] = v - self._side_channel_reported[k]
+            self._side_channel_reported = totals
+        return out
+
+    def _side_channel_totals(self) -> dict[str, int]:
+        """Side-channel messages refused since start, server and every client together:
+        failed authentication, malformed, wrong protocol version; and refusals the
+        server's failure rate limit dropped without a reply (also counted by reason)."""
+        out = dict(self._side_channel_closed)
+        if self.server is not None:
+            c = self.server.counters
+            out["sc_auth_failures"] += c["auth"]
+            out["sc_malformed"] += c["malformed"]
+            out["sc_version_mismatch"] += c["version"]
+            out["sc_dropped"] += c["dropped"]
+        for client in [p.client for p in self._peers.values()] + list(self._reply_clients.values()):
+            out["sc_auth_failures"] += client.counters["auth"]
+            out["sc_malformed"] += client.counters["malformed"]
         return out
 
     # ------------------------------------------------------------------ peers (consumer)
@@ -828,6 +857,10 @@ class KVTransportWorker:
 def _new_stats() -> dict[str, Any]:
     return {"bytes": 0, "transfers": 0, "failures": 0, "loads_ok": 0, "leases_expired": 0,
             "latency_s_sum": 0.0, "latency_s_max": 0.0}
+
+
+def _side_channel_zero() -> dict[str, int]:
+    return {"sc_auth_failures": 0, "sc_malformed": 0, "sc_version_mismatch": 0, "sc_dropped": 0}
 
 
 def _num_blocks_of(region_len: int, stride: int, regions: list[tuple[int, int]], block_bytes: int) -> int:
