@@ -145,6 +145,13 @@ class _RegionIndex:
         return self.addrs[np.searchsorted(self.ids, region)] + offset
 
 
+def _distinct(ids: np.ndarray) -> np.ndarray:
+    """``np.unique`` with a fast path for the common single-region transfer."""
+    if ids.size == 1 or (ids.size and bool((ids == ids[0]).all())):
+        return ids[:1].copy()
+    return np.unique(ids)
+
+
 def _check_timeout(value: Any) -> float:
     try:
         t = float(value)
@@ -381,7 +388,7 @@ class Agent:
         with self._lock:
             req = self.prepare(op, peer, local, remote, notify=notify, timeout=timeout_s)
             t = Transfer(self, req.transfer_id, op, peer, req.nbytes, int(req.length.size),
-                         np.unique(req.local_region), req.deadline)
+                         _distinct(req.local_region), req.deadline)
             self._stats["transfers_posted"] += 1
             self._stats["segments_posted"] += len(local)
             self._stats["segments_merged"] += int(req.length.size)

@@ -42,6 +42,7 @@ class UcpWorker:
         after_progress: Callable[[], None],
         busy_poll: bool = False,
         idle_timeout_s: float = 0.25,
+        optional_config: Mapping[str, str] | None = None,
     ) -> None:
         self.lib = L = U.lib()
         self.ucp = L.ucp
@@ -62,6 +63,8 @@ class UcpWorker:
                 st = self.ucp.ucp_config_modify(cfg, key.encode(), str(value).encode())
                 if st != U.UCS_OK:
                     raise U.UcxConfigError(f"setting UCX config {key}={value!r}", st)
+            for key, value in (optional_config or {}).items():  # tuning this build may not know
+                self.ucp.ucp_config_modify(cfg, key.encode(), str(value).encode())
             params = U.ucp_params_t()
             params.field_mask = U.UCP_PARAM_FIELD_FEATURES | U.UCP_PARAM_FIELD_NAME
             params.features = U.UCP_FEATURE_RMA | U.UCP_FEATURE_AM | U.UCP_FEATURE_WAKEUP
