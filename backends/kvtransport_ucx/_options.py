@@ -36,7 +36,7 @@ _TLS_RE = re.compile(r"^\^?[a-z0-9_]+(,[a-z0-9_]+)*$")
 _KEY_RE = re.compile(r"^[A-Z0-9_]+$")
 
 KNOWN = ("tls", "err_mode", "net_devices", "progress", "ucx_config", "liveness_interval_s",
-         "cancel_grace_s", "inline_progress_s")
+         "cancel_grace_s", "inline_progress_s", "lanes", "lane_split_bytes")
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,11 @@ class UcxOptions:
     cancel_grace_s: float = 2.0
     #: How long ``post`` may drive UCX progress on the caller's thread (see backend.py).
     inline_progress_s: float = 0.005
+    #: UCP workers per agent; a large transfer is shared among them so that the posting
+    #: thread and the progress thread copy in parallel (cma), or use more QPs (RDMA).
+    lanes: int = 2
+    #: Transfers smaller than this use lane 0 only.
+    lane_split_bytes: int = 2 << 20
 
     def optional_ucx_settings(self) -> dict[str, str]:
         """Our tuning defaults that a UCX build may not know (skipped there)."""
@@ -117,4 +122,10 @@ def parse_options(options: Mapping[str, Any]) -> UcxOptions:
     if not (live > 0 and grace >= 0 and 0 <= inline <= 1.0):
         raise _err("liveness_interval_s must be > 0, cancel_grace_s >= 0 and inline_progress_s in [0, 1] "
                    f"(got {live}, {grace}, {inline})")
-    return UcxOptions(tls, err_mode, net, progress, extra_s, live, grace, inline)
+    lanes = options.get("lanes", 2)
+    split = options.get("lane_split_bytes", 2 << 20)
+    if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= 8:
+        raise _err(f"lanes must be an integer from 1 to 8 (UCP workers per agent), got {lanes!r}")
+    if isinstance(split, bool) or not isinstance(split, int) or split < 0:
+        raise _err(f"lane_split_bytes must be a non-negative integer, got {split!r}")
+    return UcxOptions(tls, err_mode, net, progress, extra_s, live, grace, inline, lanes, split)

@@ -1,34 +1,60 @@
-"""One UCP context + worker, and the progress thread that drives it.
+"""One UCP context, its workers ("lanes"), and the progress thread that drives them.
 
-Threading model: UCX is created in ``UCS_THREAD_MODE_SERIALIZED`` and every UCX call goes
-through :attr:`UcpWorker.lock`. The progress thread holds the lock only while it calls
-``ucp_worker_progress`` and friends; it sleeps in ``epoll`` on the worker's event fd (armed with
-``ucp_worker_arm``) plus a wake-up pipe, so an idle agent costs no CPU. ``progress="busy"``
-spins instead (lowest latency, one core burnt). Over tcp UCX emulates RMA with active messages
-that the *target's* progress thread serves, so the thread is also what lets peers read and
-write our memory without any call from the application.
+Threading model: every worker is created in ``UCS_THREAD_MODE_SERIALIZED`` and each has its
+own lock, taken around every call on that worker; :attr:`UcpWorker.lock` guards the owner's
+state. Lock order: the state lock, then at most one lane lock. Copies (which run inside
+``ucp_worker_progress`` with cma) hold only their lane's lock, so checking on a transfer never
+stops a copy on another lane. Each lane has a progress thread that holds the lane's lock only while it
+calls ``ucp_worker_progress`` and friends; it sleeps in ``epoll`` on the lane's event fd (armed
+with ``ucp_worker_arm``) plus a wake-up pipe, so an idle agent costs no CPU. ``progress="busy"`` spins instead (lowest latency, one core burnt). Over tcp UCX emulates
+RMA with active messages that the *target's* progress thread serves, so the thread is also
+what lets peers read and write our memory without any call from the application.
+
+Why more than one lane: a UCP worker is serial, and with cma the copy itself runs inside
+``ucp_worker_progress``. Two workers let two threads copy the two halves of a large transfer
+on two cores (the posting thread starts lane 0's share inline, lane 1's thread copies the
+other half). Peers only ever
+connect to lane 0 (its address is the one exported), so notifications arrive there.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import select
 import threading
+from collections import deque
 from collections.abc import Callable, Mapping
+from typing import Any
 from ctypes import byref, c_int, c_size_t, c_void_p
 
 from . import _ucp as U
+
+_log = logging.getLogger("kvtransport.ucx")
 
 #: Active message id carrying notifications (header = sender agent name, data = payload).
 AM_NOTIFY = 0x6B76  # "kv"
 
 
+class Lane:
+    """One UCP worker of the context, with its lock and event fd."""
+
+    __slots__ = ("index", "worker", "lock", "efd")
+
+    def __init__(self, index: int, worker: c_void_p, lock: Any, efd: int) -> None:
+        self.index = index
+        self.worker = worker
+        self.lock = lock
+        self.efd = efd
+
+
 class UcpWorker:
     """UCP context and worker with an event-driven progress thread.
 
-    ``on_notify(sender, payload)`` and ``on_ep_error(ep_key, status)`` are called on the
-    progress thread with :attr:`lock` held; they must only record what happened.
+    ``on_notify(sender, payload)`` is called by whoever progresses lane 0, with lane 0's
+    lock held (not the state lock); it must only record what happened. Endpoint errors can fire on any lane, with
+    only that lane's lock held, so they are queued: :meth:`take_ep_errors` hands them over.
     ``after_progress()`` is called after each progress round (lock held) so the owner can
     advance its state machines (e.g. send a notification once a flush completed).
     """
@@ -38,17 +64,17 @@ class UcpWorker:
         name: str,
         config: Mapping[str, str],
         on_notify: Callable[[str, bytes], None],
-        on_ep_error: Callable[[int, int], None],
         after_progress: Callable[[], None],
         busy_poll: bool = False,
         idle_timeout_s: float = 0.25,
         optional_config: Mapping[str, str] | None = None,
+        lanes: int = 1,
     ) -> None:
         self.lib = L = U.lib()
         self.ucp = L.ucp
         self.lock = threading.RLock()
         self._on_notify = on_notify
-        self._on_ep_error = on_ep_error
+        self._ep_errors: deque[tuple[int, int]] = deque()
         self._after_progress = after_progress
         self._busy = busy_poll
         self._idle_timeout = idle_timeout_s
@@ -66,8 +92,12 @@ class UcpWorker:
             for key, value in (optional_config or {}).items():  # tuning this build may not know
                 self.ucp.ucp_config_modify(cfg, key.encode(), str(value).encode())
             params = U.ucp_params_t()
-            params.field_mask = U.UCP_PARAM_FIELD_FEATURES | U.UCP_PARAM_FIELD_NAME
+            params.field_mask = (U.UCP_PARAM_FIELD_FEATURES | U.UCP_PARAM_FIELD_NAME
+                                 | U.UCP_PARAM_FIELD_MT_WORKERS_SHARED)
             params.features = U.UCP_FEATURE_RMA | U.UCP_FEATURE_AM | U.UCP_FEATURE_WAKEUP
+            # Workers of this context are driven from different threads at once (lanes, and
+            # memory registration while a progress thread runs).
+            params.mt_workers_shared = 1
             self._name_buf = name.encode()[:63]
             params.name = self._name_buf
             ctx = c_void_p()
@@ -81,13 +111,21 @@ class UcpWorker:
         wparams.field_mask = U.UCP_WORKER_PARAM_FIELD_THREAD_MODE | U.UCP_WORKER_PARAM_FIELD_NAME
         wparams.thread_mode = U.UCS_THREAD_MODE_SERIALIZED
         wparams.name = self._name_buf
-        w = c_void_p()
+        self.lanes: list[Lane] = []
         try:
-            U.check(self.ucp.ucp_worker_create(self.context, byref(wparams), byref(w)), "ucp_worker_create")
+            for i in range(max(1, int(lanes))):
+                w = c_void_p()
+                U.check(self.ucp.ucp_worker_create(self.context, byref(wparams), byref(w)), "ucp_worker_create")
+                efd = c_int(-1)
+                self.lanes.append(Lane(i, w, threading.Lock(), -1))
+                U.check(self.ucp.ucp_worker_get_efd(w, byref(efd)), "ucp_worker_get_efd")
+                self.lanes[-1].efd = efd.value
         except Exception:
+            for lane in self.lanes:
+                self.ucp.ucp_worker_destroy(lane.worker)
             self.ucp.ucp_cleanup(self.context)
             raise
-        self.worker = w
+        self.worker = self.lanes[0].worker
 
         # Callbacks must stay referenced as long as UCX may call them.
         self._am_cb = U.AM_RECV_CB(self._am_recv)
@@ -106,14 +144,19 @@ class UcpWorker:
         self.address = ctypes.string_at(addr, alen.value)
         self.ucp.ucp_worker_release_address(self.worker, addr)
 
-        efd = c_int(-1)
-        U.check(self.ucp.ucp_worker_get_efd(self.worker, byref(efd)), "ucp_worker_get_efd")
-        self._efd = efd.value
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._thread = threading.Thread(target=self._run, name=f"kvt-ucx-progress-{name}", daemon=True)
-        self._thread.start()
+        self._pipes: list[tuple[int, int]] = []
+        for _ in self.lanes:
+            r, w = os.pipe()
+            os.set_blocking(r, False)
+            os.set_blocking(w, False)
+            self._pipes.append((r, w))
+        self._threads = [
+            threading.Thread(target=self._run, args=(lane,), name=f"kvt-ucx-progress-{name}-{lane.index}",
+                             daemon=True)
+            for lane in self.lanes
+        ]
+        for t in self._threads:
+            t.start()
 
     # -- callbacks (progress thread, lock held) -------------------------------------------
     def _am_recv(self, arg, header, header_length, data, length, param):  # noqa: ANN001
@@ -129,56 +172,82 @@ class UcpWorker:
 
     def _ep_error(self, arg, ep, status):  # noqa: ANN001
         try:
-            self._on_ep_error(int(arg or 0), int(status))
+            self._ep_errors.append((int(arg or 0), int(status)))
         except Exception:
             pass
 
-    # -- progress thread ------------------------------------------------------------------
-    def wake(self) -> None:
-        """Make the progress thread run a round now (after posting, closing, ...)."""
+    @property
+    def has_ep_errors(self) -> bool:
+        return bool(self._ep_errors)
+
+    def take_ep_errors(self) -> list[tuple[int, int]]:
+        """Endpoint errors (error-handler argument, status) reported since the last call."""
+        out = []
+        while self._ep_errors:
+            out.append(self._ep_errors.popleft())
+        return out
+
+    # -- progress threads (one per lane) ----------------------------------------------------
+    def wake(self, lane: int = 0) -> None:
+        """Make a lane's progress thread run a round now (after posting, closing, ...)."""
         try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
+            os.write(self._pipes[lane][1], b"x")
+        except (BlockingIOError, OSError, IndexError):
             pass  # pipe full: a wake-up is already pending
 
     def progress_once(self) -> None:
         with self.lock:
             if self.worker is None:
                 return
-            while self.ucp.ucp_worker_progress(self.worker):
-                pass
+            for lane in self.lanes:
+                self._drain(lane)
             self._after_progress()
 
-    def _run(self) -> None:
+    def _drain(self, lane: Lane) -> bool:
+        """Progress one lane until it reports nothing to do; False once closed."""
+        # Release the lock between progress calls: with cma one call may copy a large
+        # fragment, and posting threads must be able to interleave.
+        progress = self.ucp.ucp_worker_progress
+        while True:
+            with lane.lock:
+                if lane.worker is None:
+                    return False
+                if not progress(lane.worker):
+                    return True
+
+    def _run(self, lane: Lane) -> None:
+        """Progress thread of one lane: drain it, let the owner advance its state machines,
+        arm the lane's event fd and sleep until UCX or a wake-up needs us."""
         ep = select.epoll()
-        ep.register(self._efd, select.EPOLLIN)
-        ep.register(self._wake_r, select.EPOLLIN)
+        wake_r = self._pipes[lane.index][0]
+        ep.register(lane.efd, select.EPOLLIN)
+        ep.register(wake_r, select.EPOLLIN)
+        arm = self.ucp.ucp_worker_arm
         try:
             while not self._stop:
-                # Release the lock between progress calls: with cma one call may copy a
-                # large fragment, and posting threads must be able to interleave.
-                while True:
-                    with self.lock:
-                        if self.worker is None:
-                            return
-                        if not self.ucp.ucp_worker_progress(self.worker):
-                            break
+                if not self._drain(lane):
+                    return
                 with self.lock:
                     if self.worker is None:
                         return
-                    self._after_progress()
-                    armed = self._busy or self.ucp.ucp_worker_arm(self.worker)
+                    try:
+                        self._after_progress()
+                    except Exception:  # a dead progress thread would strand every transfer
+                        _log.exception("ucx progress thread %s: after_progress failed", lane.index)
                 if self._busy:
                     continue
-                if armed == U.UCS_ERR_BUSY:
-                    continue  # events arrived while arming: progress again
+                with lane.lock:
+                    if lane.worker is None:
+                        return
+                    if arm(lane.worker) == U.UCS_ERR_BUSY:
+                        continue  # events arrived while arming: progress again
                 events = ep.poll(self._idle_timeout)
                 if not events:
                     self.idle_wakeups += 1
                 for fd, _ in events:
-                    if fd == self._wake_r:
+                    if fd == wake_r:
                         try:
-                            while os.read(self._wake_r, 4096):
+                            while os.read(wake_r, 4096):
                                 pass
                         except BlockingIOError:
                             pass
@@ -193,18 +262,24 @@ class UcpWorker:
         """Stop the thread and destroy worker and context. The owner must have closed its
         endpoints, rkeys and memory handles first."""
         self._stop = True
-        self.wake()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=10)
+        for i in range(len(self.lanes)):
+            self.wake(i)
+        for t in self._threads:
+            if t.is_alive() and threading.current_thread() is not t:
+                t.join(timeout=10)
         with self.lock:
             if self.worker is not None:
-                self.ucp.ucp_worker_destroy(self.worker)
                 self.worker = None
+                for lane in self.lanes:
+                    with lane.lock:
+                        w, lane.worker = lane.worker, None
+                        self.ucp.ucp_worker_destroy(w)
             if self.context is not None:
                 self.ucp.ucp_cleanup(self.context)
                 self.context = None
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        for pipe in self._pipes:
+            for fd in pipe:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass

@@ -52,7 +52,7 @@ from kvtransport.spi import (
 from . import _ucp as U
 from ._liveness import ProcessIdentity
 from ._options import UcxOptions, parse_options
-from ._worker import AM_NOTIFY, UcpWorker
+from ._worker import AM_NOTIFY, Lane, UcpWorker
 
 _INSTALL_HINT = "pip install 'kvtransport[ucx]'  (installs libucx-cu12)"
 _MAX_PTR = (1 << 64) + U.UCS_ERR_LAST
@@ -75,6 +75,28 @@ _ENC = msgspec.msgpack.Encoder()
 _DEC = msgspec.msgpack.Decoder(_Export)
 
 
+_Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _cut(parts: _Arrays, nbytes: int) -> tuple[_Arrays, _Arrays]:
+    """Split (local addr, remote addr, length, local region, remote region) after ``nbytes``
+    bytes (0 < nbytes < total), cutting at most the one segment that straddles the point."""
+    la, ra, ln, lr, rr = parts
+    cum = np.cumsum(ln)
+    i = int(np.searchsorted(cum, nbytes))  # first segment ending at or after the point
+    within = nbytes - (int(cum[i]) - int(ln[i]))  # its bytes that belong to the head, >= 1
+    hl = ln[: i + 1].copy()
+    hl[i] = within
+    head = (la[: i + 1], ra[: i + 1], hl, lr[: i + 1], rr[: i + 1])
+    if within == int(ln[i]):
+        return head, (la[i + 1 :], ra[i + 1 :], ln[i + 1 :], lr[i + 1 :], rr[i + 1 :])
+    tla, tra, tln = la[i:].copy(), ra[i:].copy(), ln[i:].copy()
+    tla[0] += within
+    tra[0] += within
+    tln[0] -= within
+    return head, (tla, tra, tln, lr[i:], rr[i:])
+
+
 class _Conn:
     """Our endpoint to one peer, its unpacked remote keys, and its liveness."""
 
@@ -86,11 +108,13 @@ class _Conn:
         self.regions = list(regions)
         self.ident = ident
         self.same_host = same_host
-        self.ep: int | None = None
-        self.rkeys: list[int] = []
-        self.rk_ids = np.zeros(0, np.int64)
-        self.rk_ptrs = np.zeros(0, np.uint64)
-        self.rk_by_id: dict[int, int] = {}
+        #: Per lane: our endpoint to the peer, and the remote keys unpacked on it (in
+        #: ``regions`` order). Empty while no endpoint is open.
+        self.eps: list[int] = []
+        self.lane_rkeys: list[list[int]] = []
+        self.rk_ids = np.zeros(0, np.int64)  # region ids, sorted
+        self.rk_ptrs: list[np.ndarray] = []  # per lane: rkeys in rk_ids order
+        self.rk_by_id: list[dict[int, int]] = []  # per lane: region id -> rkey
         #: Whether to check the peer's process after each flush: same host, other process
         #: (an agent of our own process cannot outlive us).
         self.watch_process = same_host and ident.pid != os.getpid()
@@ -104,7 +128,7 @@ class _Conn:
 class _Xfer:
     """Backend handle of one posted transfer."""
 
-    __slots__ = ("tid", "conn", "op", "notify", "stage", "flush_req", "am_req", "am_bufs",
+    __slots__ = ("tid", "conn", "op", "notify", "stage", "flush", "am_req", "am_bufs",
                  "reason", "error", "cancel_at")
 
     def __init__(self, tid: int, conn: _Conn, op: Op, notify: bytes | None) -> None:
@@ -113,7 +137,8 @@ class _Xfer:
         self.op = op
         self.notify = notify
         self.stage = "rma"  # rma -> notify -> done | failed
-        self.flush_req: int | None = None
+        #: One outstanding flush request per lane the transfer used: (lane, request).
+        self.flush: list[tuple[Lane, int]] = []
         self.am_req: int | None = None
         self.am_bufs: Any = None
         self.reason = ""
@@ -123,7 +148,7 @@ class _Xfer:
     @property
     def quiesced(self) -> bool:
         """No byte of this transfer can land any more."""
-        return self.flush_req is None or self.conn.dead or self.conn.forced
+        return not self.flush or self.conn.dead or self.conn.forced
 
 
 class UcxBackend(Backend):
@@ -163,7 +188,8 @@ class UcxBackend(Backend):
         self._memh: dict[int, int] = {}
         self._rparams: dict[int, U.ucp_request_param_t] = {}
         self._sends: list[tuple[int, Any]] = []  # standalone AM requests + their buffers
-        self._closing: list[tuple[int | None, list[int]]] = []  # (ep close request, rkeys to destroy)
+        #: endpoints being closed: (lane, close request or None, rkeys to destroy after)
+        self._closing: list[tuple[Lane, int | None, list[int]]] = []
         self._keys = itertools.count(1)
         self._next_liveness = 0.0
         self._closed = False
@@ -174,6 +200,8 @@ class UcxBackend(Backend):
                 f"ucx backend: {exc}; see `ucx_info -c` for the settings this UCX accepts"
             ) from None
         self._ucp = self._w.ucp
+        self._lanes = self._w.lanes
+        self._lane_bytes = [0] * len(self._lanes)  # bytes posted per lane (describe())
         self._param = U.ucp_request_param_t()  # no callback: requests are polled
         self._am_param = U.ucp_request_param_t()
         self._am_param.op_attr_mask = U.UCP_OP_ATTR_FIELD_FLAGS
@@ -185,8 +213,8 @@ class UcxBackend(Backend):
             agent_name,
             self.opts.ucx_settings(),
             optional_config=self.opts.optional_ucx_settings(),
+            lanes=self.opts.lanes,
             on_notify=lambda sender, payload: self._inbox.append((sender, payload)),
-            on_ep_error=self._on_ep_error,
             after_progress=self._after_progress,
             busy_poll=self.opts.progress == "busy",
             idle_timeout_s=min(0.25, self.opts.liveness_interval_s),
@@ -251,7 +279,39 @@ class UcxBackend(Backend):
         return conn
 
     def _open(self, conn: _Conn) -> None:
-        """Create the endpoint and unpack the peer's remote keys (lock held)."""
+        """Create an endpoint on every lane and unpack the peer's remote keys on each (lock held)."""
+        force = self.opts.err_mode == "peer"
+        eps: list[int] = []
+        lane_rkeys: list[list[int]] = []
+        try:
+            for lane in self._lanes:
+                with lane.lock:
+                    eps.append(self._create_ep(lane, conn))
+                    rkeys: list[int] = []
+                    lane_rkeys.append(rkeys)
+                    for r in conn.regions:
+                        rk = c_void_p()
+                        buf = ctypes.create_string_buffer(r.blob, len(r.blob))
+                        st = self._ucp.ucp_ep_rkey_unpack(eps[-1], buf, byref(rk))
+                        if st != U.UCS_OK:
+                            raise PeerMetadataError(
+                                f"remote key of region {r.id} of peer {conn.name!r} cannot be unpacked: "
+                                f"{U.lib().status_string(st)} (peer built with incompatible transports?)"
+                            )
+                        rkeys.append(rk.value)
+        except Exception:
+            for lane, ep in zip(self._lanes, eps):
+                self._close_ep(lane, ep, lane_rkeys[lane.index] if lane.index < len(lane_rkeys) else [], force)
+            raise
+        order = np.argsort(np.array([r.id for r in conn.regions], np.int64), kind="stable")
+        conn.eps, conn.lane_rkeys = eps, lane_rkeys
+        conn.rk_ids = np.array([conn.regions[i].id for i in order], np.int64)
+        conn.rk_ptrs = [np.array([rks[i] for i in order], np.uint64) for rks in lane_rkeys]
+        conn.rk_by_id = [{r.id: rk for r, rk in zip(conn.regions, rks)} for rks in lane_rkeys]
+        conn.broken = conn.forced = False
+
+    def _create_ep(self, lane: Lane, conn: _Conn) -> int:
+        """One endpoint from ``lane`` to the peer's (lane 0) worker address (lane lock held)."""
         addr = ctypes.create_string_buffer(conn.exp.address, len(conn.exp.address))
         p = U.ucp_ep_params_t()
         p.field_mask = U.UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | U.UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
@@ -262,59 +322,42 @@ class UcxBackend(Backend):
             p.err_handler.cb = self._w.err_cb_ptr
             p.err_handler.arg = conn.key
         ep = c_void_p()
-        st = self._ucp.ucp_ep_create(self._w.worker, byref(p), byref(ep))
+        st = self._ucp.ucp_ep_create(lane.worker, byref(p), byref(ep))
         if st != U.UCS_OK:
             raise PeerMetadataError(
                 f"cannot reach peer {conn.name!r} over UCX (tls={self.opts.tls or 'default'}): "
                 f"{U.lib().status_string(st)}; both agents need a common transport"
             )
-        conn.ep = ep.value
-        rkeys: list[int] = []
-        try:
-            for r in conn.regions:
-                rk = c_void_p()
-                buf = ctypes.create_string_buffer(r.blob, len(r.blob))
-                st = self._ucp.ucp_ep_rkey_unpack(conn.ep, buf, byref(rk))
-                if st != U.UCS_OK:
-                    raise PeerMetadataError(
-                        f"remote key of region {r.id} of peer {conn.name!r} cannot be unpacked: "
-                        f"{U.lib().status_string(st)} (peer built with incompatible transports?)"
-                    )
-                rkeys.append(rk.value)
-        except Exception:
-            self._close_ep(conn.ep, rkeys, force=self.opts.err_mode == "peer")
-            conn.ep = None
-            raise
-        order = np.argsort(np.array([r.id for r in conn.regions], np.int64), kind="stable")
-        conn.rkeys = rkeys
-        conn.rk_ids = np.array([conn.regions[i].id for i in order], np.int64)
-        conn.rk_ptrs = np.array([rkeys[i] for i in order], np.uint64)
-        conn.rk_by_id = {r.id: rk for r, rk in zip(conn.regions, rkeys)}
-        conn.broken = conn.forced = False
+        return ep.value
 
-    def _close_ep(self, ep: int | None, rkeys: list[int], force: bool) -> None:
+    def _close_ep(self, lane: Lane, ep: int | None, rkeys: list[int], force: bool) -> None:
         """Close an endpoint; its remote keys are destroyed once the close completed."""
         req = None
         if ep is not None:
             p = U.ucp_request_param_t()
             p.op_attr_mask = U.UCP_OP_ATTR_FIELD_FLAGS
             p.flags = U.UCP_EP_CLOSE_FLAG_FORCE if force else 0
-            r = self._ucp.ucp_ep_close_nbx(ep, byref(p))
+            with lane.lock:
+                r = self._ucp.ucp_ep_close_nbx(ep, byref(p))
             req = r if U.ptr_status(r) == U.UCS_INPROGRESS else None
-        self._closing.append((req, list(rkeys)))
+        self._closing.append((lane, req, list(rkeys)))
         self._w.wake()
 
+    def _shut(self, conn: _Conn, force: bool) -> None:
+        """Close the connection's endpoints on every lane (lock held); reopened at the next post."""
+        for lane, ep, rkeys in zip(self._lanes, conn.eps, conn.lane_rkeys):
+            self._close_ep(lane, ep, rkeys, force)
+        conn.eps, conn.lane_rkeys, conn.rk_ptrs, conn.rk_by_id = [], [], [], []
+        conn.broken, conn.forced = True, force
+
     def _drop(self, conn: _Conn, reason: str) -> None:
-        """Forget a connection (lock held): fail its transfers, close its endpoint."""
+        """Forget a connection (lock held): fail its transfers, close its endpoints."""
         self._conns.pop(conn.key, None)
         if self._by_name.get(conn.name) is conn:
             del self._by_name[conn.name]
         conn.failed = conn.failed or reason
-        if conn.ep is not None and not conn.broken:
-            self._close_ep(conn.ep, conn.rkeys, force=self.opts.err_mode == "peer")
-            conn.broken, conn.forced = True, self.opts.err_mode == "peer"
-        conn.ep = None
-        conn.rkeys = []
+        if conn.eps and not conn.broken:
+            self._shut(conn, force=self.opts.err_mode == "peer")
         for x in list(conn.xfers):
             self._fail(x, reason)
 
@@ -338,53 +381,86 @@ class UcxBackend(Backend):
             if self._closed:
                 raise KVTransportError("ucx backend is closed")
             if conn.broken:
-                self._open(conn)  # our endpoint was force-closed after a stuck cancel
-            rks = self._remote_keys(conn, req.remote_region)
-            fn = self._ucp.ucp_put_nbx if req.op is Op.WRITE else self._ucp.ucp_get_nbx
-            free = self._ucp.ucp_request_free
-            ep, pp = conn.ep, byref(self._param)
-            pps = self._local_params(req.local_region, pp)
-            # The one Python loop of the data path: one foreign call per merged segment.
-            # (Releasing the lock every few hundred segments to overlap copies with posting
-            # was measured: no gain on 2 cores, longer posts.)
-            for la, ra, n, rk, lp in zip(req.local_addr.tolist(), req.remote_addr.tolist(),
-                                         req.length.tolist(), rks, pps):
-                r = fn(ep, la, n, ra, rk, lp)
-                if r:
-                    if r >= _MAX_PTR:
-                        x.error = (f"{'put' if req.op is Op.WRITE else 'get'} to peer {conn.name!r} "
-                                   f"failed: {U.lib().status_string(r - (1 << 64))}")
-                        break
-                    free(r)
-            r = self._ucp.ucp_ep_flush_nbx(ep, pp)
-            st = U.ptr_status(r)
-            if st == U.UCS_INPROGRESS:
-                x.flush_req = r
-            elif st != U.UCS_OK:
-                x.error = x.error or f"flush to peer {conn.name!r} failed: {U.lib().status_string(st)}"
+                self._open(conn)  # our endpoints were force-closed after a stuck cancel
+            parts = self._split(req)
+            keys = [self._remote_keys(conn, k, rr) for k, _, _, _, _, rr in parts]  # refuse before posting
             conn.xfers.add(x)
             self._active.add(x)
-            if x.flush_req is not None and self.opts.inline_progress_s > 0:
-                self._progress_inline(x, time.perf_counter() + self.opts.inline_progress_s)
+            # Lanes >= 1 first, then wake the progress thread: it copies their share while
+            # this thread posts and copies lane 0's (inline, below).
+            for (k, la, ra, ln, lr, _), rks in reversed(list(zip(parts, keys))):
+                self._post_lane(x, self._lanes[k], la, ra, ln, lr, rks)
+                self._lane_bytes[k] += int(ln.sum())
+                if k > 0:
+                    self._w.wake(k)
+            if self.opts.inline_progress_s > 0 and x.flush and x.flush[-1][0].index == 0:
+                self._progress_inline(x.flush[-1][1], time.perf_counter() + self.opts.inline_progress_s)
             self._advance(x)
-            # Wake the progress thread only if it has something to finish: a transfer that
-            # completed inline (the common cma case) must not pay a thread hand-off.
-            wake = bool(self._active or self._sends or self._closing)
+            # Wake lane 0's thread only if it has something to finish: a transfer that
+            # completed inline (the common cma case) must not pay a thread hand-off, and
+            # the other lanes' threads are awake already and advance x when they are done.
+            wake = (any(lane.index == 0 for lane, _ in x.flush) or self._sends or self._closing
+                    or len(self._active) > 1)
         if wake:
             self._w.wake()
         return x
 
-    def _remote_keys(self, conn: _Conn, regions: np.ndarray) -> Any:
-        """The unpacked remote key of every segment's region (an iterable as long as it)."""
+    def _post_lane(self, x: _Xfer, lane: Lane, la: np.ndarray, ra: np.ndarray, ln: np.ndarray,
+                   lr: np.ndarray, rks: Any) -> None:
+        """Post one lane's share of a transfer, then its flush (backend lock held)."""
+        if x.error:
+            return
+        conn = x.conn
+        fn = self._ucp.ucp_put_nbx if x.op is Op.WRITE else self._ucp.ucp_get_nbx
+        free = self._ucp.ucp_request_free
+        ep, pp = conn.eps[lane.index], byref(self._param)
+        pps = self._local_params(lr, pp)
+        with lane.lock:
+            # The one Python loop of the data path: one foreign call per merged segment.
+            for a, b, n, rk, lp in zip(la.tolist(), ra.tolist(), ln.tolist(), rks, pps):
+                r = fn(ep, a, n, b, rk, lp)
+                if r:
+                    if r >= _MAX_PTR:
+                        x.error = (f"{'put' if x.op is Op.WRITE else 'get'} to peer {conn.name!r} "
+                                   f"failed: {U.lib().status_string(r - (1 << 64))}")
+                        break
+                    free(r)
+            r = self._ucp.ucp_ep_flush_nbx(ep, pp)
+        st = U.ptr_status(r)
+        if st == U.UCS_INPROGRESS:
+            x.flush.append((lane, r))
+        elif st != U.UCS_OK:
+            x.error = x.error or f"flush to peer {conn.name!r} failed: {U.lib().status_string(st)}"
+
+    def _split(self, req: PostRequest) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        """Share a transfer's bytes evenly across the lanes: (lane, local addresses, remote
+        addresses, lengths, local regions, remote regions) per lane. Below
+        ``lane_split_bytes`` everything goes to lane 0 (a hand-off to the progress thread
+        costs more than it saves). At most one segment per boundary is cut in two."""
+        rest = (req.local_addr, req.remote_addr, req.length, req.local_region, req.remote_region)
+        n = len(self._lanes)
+        total = int(req.length.sum())
+        if n == 1 or total < self.opts.lane_split_bytes:
+            return [(0, *rest)]
+        parts = []
+        for k in range(n - 1):
+            share = total * (k + 1) // n - total * k // n
+            head, rest = _cut(rest, share)
+            parts.append((k, *head))
+        parts.append((n - 1, *rest))
+        return parts
+
+    def _remote_keys(self, conn: _Conn, lane: int, regions: np.ndarray) -> Any:
+        """The remote key on ``lane`` of every segment's region (an iterable as long as it)."""
         if regions.size and (regions.size == 1 or bool((regions == regions[0]).all())):
-            rk = conn.rk_by_id.get(int(regions[0]))  # one region: the common case
+            rk = conn.rk_by_id[lane].get(int(regions[0]))  # one region: the common case
             if rk is not None:
                 return itertools.repeat(rk)
         else:
             idx = np.searchsorted(conn.rk_ids, regions)
             idx = np.minimum(idx, max(len(conn.rk_ids) - 1, 0))
             if len(conn.rk_ids) and np.array_equal(conn.rk_ids[idx], regions):
-                return conn.rk_ptrs[idx].tolist()
+                return conn.rk_ptrs[lane][idx].tolist()
         raise KVTransportError(f"peer {conn.name!r} exported no remote key for a requested region")
 
     def _local_params(self, regions: np.ndarray, default: Any) -> Any:
@@ -396,8 +472,8 @@ class UcxBackend(Backend):
         refs = [byref(self._rparams[u]) if u in self._rparams else default for u in uniq.tolist()]
         return [refs[i] for i in inv.tolist()]
 
-    def _progress_inline(self, x: _Xfer, until: float) -> None:
-        """Drive UCX on the posting thread while it has work for this transfer (lock held).
+    def _progress_inline(self, req: int, until: float) -> None:
+        """Drive lane 0 on the posting thread while it has work for this transfer (lock held).
 
         Why: with cma the copy itself runs inside ``ucp_worker_progress``. Doing it here, on
         the thread that posted, saves the hand-off to the progress thread (pipe write, epoll
@@ -407,24 +483,32 @@ class UcxBackend(Backend):
         (option ``inline_progress_s``) so a large transfer does not hold the caller long;
         the progress thread finishes the rest.
         """
-        progress, worker = self._ucp.ucp_worker_progress, self._w.worker
-        check, req = self._ucp.ucp_request_check_status, x.flush_req
-        while check(req) == U.UCS_INPROGRESS and progress(worker) and time.perf_counter() < until:
-            pass
+        lane = self._lanes[0]
+        progress, worker = self._ucp.ucp_worker_progress, lane.worker
+        check = self._ucp.ucp_request_check_status
+        with lane.lock:
+            while check(req) == U.UCS_INPROGRESS and progress(worker) and time.perf_counter() < until:
+                pass
 
     def _advance(self, x: _Xfer) -> None:
         """Move one transfer through rma -> notify -> done (lock held)."""
+        if self._w.has_ep_errors:
+            self._absorb_ep_errors()
         if x.stage == "rma":
-            if x.flush_req is not None:
-                st = self._ucp.ucp_request_check_status(x.flush_req)
-                if st == U.UCS_INPROGRESS:
-                    if x.conn.failed:
-                        self._fail(x, x.conn.failed)
-                    return
-                self._ucp.ucp_request_free(x.flush_req)
-                x.flush_req = None
-                if st != U.UCS_OK and not x.error:
-                    x.error = f"RMA to peer {x.conn.name!r} failed: {U.lib().status_string(st)}"
+            if x.flush:
+                for lane, r in x.flush:
+                    if self._status(lane, r) == U.UCS_INPROGRESS:
+                        if x.conn.failed:
+                            self._fail(x, x.conn.failed)
+                        return
+                check = self._ucp.ucp_request_check_status
+                for lane, r in x.flush:
+                    with lane.lock:
+                        st = check(r)
+                        self._ucp.ucp_request_free(r)
+                    if st != U.UCS_OK and not x.error:
+                        x.error = f"RMA to peer {x.conn.name!r} failed: {U.lib().status_string(st)}"
+                x.flush = []
             if not x.error and x.conn.watch_process:
                 # UCX may complete the flush of a cma copy that failed half-way because the
                 # peer died (seen without peer error handling). A peer that is exiting or
@@ -436,24 +520,30 @@ class UcxBackend(Backend):
             if x.notify is None:
                 self._finish(x, "done")
                 return
+            if not x.conn.eps:
+                self._fail(x, f"data moved but the endpoint to {x.conn.name!r} was closed before the notification")
+                return
             buf = ctypes.create_string_buffer(x.notify, len(x.notify))
-            r = self._ucp.ucp_am_send_nbx(x.conn.ep, AM_NOTIFY, self._am_header, len(self._am_header),
-                                          buf, len(x.notify), byref(self._am_param))
+            with self._lanes[0].lock:
+                r = self._ucp.ucp_am_send_nbx(x.conn.eps[0], AM_NOTIFY, self._am_header, len(self._am_header),
+                                              buf, len(x.notify), byref(self._am_param))
             st = U.ptr_status(r)
             if st == U.UCS_INPROGRESS:
                 x.am_req, x.am_bufs, x.stage = r, buf, "notify"
+                self._w.wake()  # lane 0 must progress for the message to leave
             elif st == U.UCS_OK:
                 self._finish(x, "done")
             else:
                 self._fail(x, f"data moved but the notification to {x.conn.name!r} failed: "
                               f"{U.lib().status_string(st)}")
         elif x.stage == "notify":
-            st = self._ucp.ucp_request_check_status(x.am_req)
+            st = self._status(self._lanes[0], x.am_req)
             if st == U.UCS_INPROGRESS:
                 if x.conn.failed:
                     self._fail(x, x.conn.failed)
                 return
-            self._ucp.ucp_request_free(x.am_req)
+            with self._lanes[0].lock:
+                self._ucp.ucp_request_free(x.am_req)
             x.am_req = x.am_bufs = None
             if st == U.UCS_OK:
                 self._finish(x, "done")
@@ -461,9 +551,19 @@ class UcxBackend(Backend):
                 self._fail(x, f"data moved but the notification to {x.conn.name!r} failed: "
                               f"{U.lib().status_string(st)}")
 
+    def _status(self, lane: Lane, req: int) -> int:
+        """A request's status, or UCS_INPROGRESS while its lane is busy (a copy in progress):
+        checking never waits for a copy."""
+        if not lane.lock.acquire(blocking=False):
+            return U.UCS_INPROGRESS
+        try:
+            return self._ucp.ucp_request_check_status(req)
+        finally:
+            lane.lock.release()
+
     def _finish(self, x: _Xfer, stage: str) -> None:
         x.stage = stage
-        if x.flush_req is None:
+        if not x.flush:
             self._active.discard(x)
             x.conn.xfers.discard(x)
         self.signal_progress()
@@ -473,7 +573,8 @@ class UcxBackend(Backend):
             return
         x.reason = reason
         if x.am_req is not None:
-            self._ucp.ucp_request_free(x.am_req)  # UCX releases it when it completes
+            with self._lanes[0].lock:
+                self._ucp.ucp_request_free(x.am_req)  # UCX releases it when it completes
             x.am_req = None
         self._finish(x, "failed")
 
@@ -506,16 +607,23 @@ class UcxBackend(Backend):
             return handle.quiesced
 
     def _check_flush(self, x: _Xfer) -> None:
-        if x.flush_req is not None and self._ucp.ucp_request_check_status(x.flush_req) != U.UCS_INPROGRESS:
-            self._ucp.ucp_request_free(x.flush_req)
-            x.flush_req = None
+        if x.flush:
+            keep = []
+            for lane, r in x.flush:
+                if self._status(lane, r) == U.UCS_INPROGRESS:
+                    keep.append((lane, r))
+                else:
+                    with lane.lock:
+                        self._ucp.ucp_request_free(r)
+            x.flush = keep
         if x.quiesced:
             self._release_flush(x)
 
     def _release_flush(self, x: _Xfer) -> None:
-        if x.flush_req is not None:  # peer dead / endpoint closed: UCX frees it when it ends
-            self._ucp.ucp_request_free(x.flush_req)
-            x.flush_req = None
+        for lane, r in x.flush:  # peer dead / endpoint closed: UCX frees them when they end
+            with lane.lock:
+                self._ucp.ucp_request_free(r)
+        x.flush = []
         self._active.discard(x)
         x.conn.xfers.discard(x)
 
@@ -525,6 +633,13 @@ class UcxBackend(Backend):
                 self._release_flush(handle)
 
     # -- progress-thread hooks (lock held) --------------------------------------------------
+    def _absorb_ep_errors(self) -> None:
+        w = getattr(self, "_w", None)  # progress threads start inside UcpWorker(...)
+        if w is None:
+            return
+        for key, status in w.take_ep_errors():
+            self._on_ep_error(key, status)
+
     def _on_ep_error(self, key: int, status: int) -> None:
         conn = self._conns.get(key)
         if conn is None or conn.broken:
@@ -541,10 +656,10 @@ class UcxBackend(Backend):
 
     def _after_progress(self) -> None:
         now = time.monotonic()
+        self._absorb_ep_errors()
         for conn in list(self._conns.values()):
-            if conn.failed and not conn.broken and conn.ep is not None and self.opts.err_mode == "peer":
-                self._close_ep(conn.ep, conn.rkeys, force=True)
-                conn.ep, conn.rkeys, conn.broken, conn.forced = None, [], True, True
+            if conn.failed and not conn.broken and conn.eps and self.opts.err_mode == "peer":
+                self._shut(conn, force=True)
         if now >= self._next_liveness:
             self._next_liveness = now + self.opts.liveness_interval_s
             for conn in list(self._conns.values()):
@@ -554,31 +669,32 @@ class UcxBackend(Backend):
                 self._advance(x)
             else:
                 self._check_flush(x)
-                if (x.flush_req is not None and x.cancel_at is not None
+                if (x.flush and x.cancel_at is not None
                         and now - x.cancel_at > self.opts.cancel_grace_s and self.opts.err_mode == "peer"):
                     c = x.conn
-                    if c.ep is not None and not c.broken:
-                        self._close_ep(c.ep, c.rkeys, force=True)
-                        c.ep, c.rkeys, c.broken, c.forced = None, [], True, True
+                    if c.eps and not c.broken:
+                        self._shut(c, force=True)
                     self._release_flush(x)
         if self._sends:
             keep = []
             for r, buf in self._sends:
-                if self._ucp.ucp_request_check_status(r) == U.UCS_INPROGRESS:
+                if self._status(self._lanes[0], r) == U.UCS_INPROGRESS:
                     keep.append((r, buf))
                 else:
-                    self._ucp.ucp_request_free(r)
+                    with self._lanes[0].lock:
+                        self._ucp.ucp_request_free(r)
             self._sends = keep
         if self._closing:
             keep_c = []
-            for r, rkeys in self._closing:
-                if r is not None and self._ucp.ucp_request_check_status(r) == U.UCS_INPROGRESS:
-                    keep_c.append((r, rkeys))
-                    continue
-                if r is not None:
-                    self._ucp.ucp_request_free(r)
-                for rk in rkeys:
-                    self._ucp.ucp_rkey_destroy(rk)
+            for lane, r, rkeys in self._closing:
+                with lane.lock:
+                    if r is not None and self._ucp.ucp_request_check_status(r) == U.UCS_INPROGRESS:
+                        keep_c.append((lane, r, rkeys))
+                        continue
+                    if r is not None:
+                        self._ucp.ucp_request_free(r)
+                    for rk in rkeys:
+                        self._ucp.ucp_rkey_destroy(rk)
             self._closing = keep_c
 
     # -- notifications --------------------------------------------------------------------
@@ -595,8 +711,9 @@ class UcxBackend(Backend):
             if peer.broken:
                 self._open(peer)
             buf = ctypes.create_string_buffer(payload, len(payload))
-            r = self._ucp.ucp_am_send_nbx(peer.ep, AM_NOTIFY, self._am_header, len(self._am_header),
-                                          buf, len(payload), byref(self._am_param))
+            with self._lanes[0].lock:
+                r = self._ucp.ucp_am_send_nbx(peer.eps[0], AM_NOTIFY, self._am_header, len(self._am_header),
+                                              buf, len(payload), byref(self._am_param))
             st = U.ptr_status(r)
             if st == U.UCS_INPROGRESS:
                 self._sends.append((r, buf))
@@ -617,9 +734,10 @@ class UcxBackend(Backend):
             self._w.progress_once()
             time.sleep(0.001)
         with self._w.lock:
-            for r, rkeys in self._closing:  # peers that never answered: release locally
-                for rk in rkeys:
-                    self._ucp.ucp_rkey_destroy(rk)
+            for lane, _r, rkeys in self._closing:  # peers that never answered: release locally
+                with lane.lock:
+                    for rk in rkeys:
+                        self._ucp.ucp_rkey_destroy(rk)
             self._closing = []
             for memh in self._memh.values():
                 self._ucp.ucp_mem_unmap(self._w.context, memh)
@@ -635,6 +753,8 @@ class UcxBackend(Backend):
             "tls": self.opts.tls or "default",
             "err_mode": self.opts.err_mode,
             "progress": self.opts.progress,
+            "lanes": len(self._lanes),
+            "bytes_per_lane": list(self._lane_bytes),
             "peers": sorted(self._by_name),
             "idle_wakeups": self._w.idle_wakeups,
         }

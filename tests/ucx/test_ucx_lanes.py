@@ -1,0 +1,141 @@
+"""Lanes: the ucx backend shares a large transfer among several UCP workers so two threads
+copy at once. What a user must be able to rely on: every byte lands exactly once wherever the
+lane boundaries fall (inside a segment, between segments, with ragged sizes), READ and WRITE,
+in one process and across two, on every transport; the notification comes after all lanes'
+data; and the split really happens (each lane carried bytes)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import kvtransport as kvt
+from kvtransport.errors import BackendOptionError
+from kvtransport_ucx.backend import _cut
+from ucx_helpers import TLS_OPTIONS, PeerProcess, expected_bytes, sha
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(autouse=True)
+def _need_ucx():
+    info = {b.name: b for b in kvt.available_backends()}
+    if "ucx" not in info or not info["ucx"].usable:
+        pytest.skip(f"ucx backend not usable here: {info.get('ucx') and info['ucx'].reason}")
+
+
+def _expand(la, ra, ln) -> np.ndarray:
+    """Every byte a segment list moves, as (local address, remote address) rows."""
+    rows = [np.stack([np.arange(a, a + n), np.arange(b, b + n)], 1) for a, b, n in zip(la, ra, ln)]
+    return np.concatenate(rows) if rows else np.zeros((0, 2), np.int64)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_cut_moves_every_byte_exactly_once(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 12))
+    ln = rng.integers(1, 50, n).astype(np.uint64)
+    la = (rng.permutation(100)[:n] * 64).astype(np.uint64)
+    ra = (rng.permutation(100)[:n] * 64 + 7).astype(np.uint64)
+    reg = np.arange(n, dtype=np.int64)
+    total = int(ln.sum())
+    at = int(rng.integers(1, total)) if total > 1 else 1
+    if at >= total:
+        pytest.skip("a one-byte transfer cannot be cut")
+    (hla, hra, hln, hlr, hrr), (tla, tra, tln, tlr, trr) = _cut((la, ra, ln, reg, reg), at)
+    assert int(hln.sum()) == at and int(tln.sum()) == total - at
+    assert (hln > 0).all() and (tln > 0).all()
+    whole = _expand(la, ra, ln)
+    parts = np.concatenate([_expand(hla, hra, hln), _expand(tla, tra, tln)])
+    assert np.array_equal(whole, parts)  # same bytes, same order, nothing twice
+    assert len(hlr) == len(hla) and len(tlr) == len(tla)  # region arrays follow the cut
+    assert np.array_equal(_expand(la, ra, ln), whole)  # the caller's arrays were not modified
+
+
+@pytest.mark.parametrize("opts", [{"lanes": 0}, {"lanes": 9}, {"lanes": 1.5}, {"lane_split_bytes": -1},
+                                  {"inline_progress_s": 2}])
+def test_bad_lane_options_are_refused(opts):
+    with pytest.raises(BackendOptionError) as ei:
+        kvt.open("ucx", name="bad-lanes", **opts)
+    assert list(opts)[0] in str(ei.value)
+
+
+@pytest.mark.parametrize("tls", [o["tls"] for o in TLS_OPTIONS])
+@pytest.mark.parametrize("lanes", [2, 3])
+@pytest.mark.parametrize("op", ["READ", "WRITE"])
+def test_split_transfer_in_one_process_is_byte_exact(tls, lanes, op):
+    rng = np.random.default_rng(lanes * 10 + (op == "READ"))
+    size = 8 << 20
+    mine, theirs = np.zeros(size, np.uint8), rng.integers(0, 256, size, dtype=np.uint8)
+    if op == "WRITE":
+        mine, theirs = theirs, np.zeros(size, np.uint8)
+    i = kvt.open("ucx", name=f"lanes-i-{tls}-{lanes}", tls=tls, lanes=lanes, lane_split_bytes=0)
+    t = kvt.open("ucx", name=f"lanes-t-{tls}-{lanes}", tls=tls)
+    try:
+        ri, rt = i.register(mine), t.register(theirs)
+        p = i.connect(t.metadata())
+        t.connect(i.metadata())
+        # 97 ragged segments in shuffled order: lane boundaries fall inside segments
+        n = 97
+        ln = rng.integers(1, 60_000, n).astype(np.int64)
+        starts = np.cumsum(np.concatenate([[0], ln[:-1] + 13]))
+        order = rng.permutation(n)
+        lo, ro, ln = starts[order], (size - starts - ln)[order], ln[order]
+        before = (mine.copy(), theirs.copy())
+        fn = i.read if op == "READ" else i.write
+        tr = fn(p, ri.segments(lo, ln), p.region(rt.id).segments(ro, ln), notify=b"all-lanes-done", timeout=60)
+        st = tr.wait()
+        assert st.ok, st.reason
+        src, dst = (theirs, mine) if op == "READ" else (mine, theirs)
+        so, do = (ro, lo) if op == "READ" else (lo, ro)
+        expect = (before[0] if op == "READ" else before[1]).copy()
+        for s, d, n_ in zip(so, do, ln):
+            expect[d : d + n_] = src[s : s + n_]
+        assert np.array_equal(dst, expect)  # every segment landed, nothing else changed
+        per_lane = i.describe()["bytes_per_lane"]
+        assert len(per_lane) == lanes and all(b > 0 for b in per_lane), per_lane
+        assert sum(per_lane) == int(ln.sum())
+        got = []
+        for _ in range(200):
+            got += t.notifications()
+            if got:
+                break
+            time.sleep(0.01)
+        assert [(m.peer, m.payload) for m in got] == [(i.name, b"all-lanes-done")]
+    finally:
+        i.close()
+        t.close()
+
+
+@pytest.mark.parametrize("opts", TLS_OPTIONS, ids=lambda o: o["tls"])
+@pytest.mark.parametrize("op", ["READ", "WRITE"])
+def test_split_transfer_across_processes_is_byte_exact(opts, op):
+    size = 24 << 20
+    peer = PeerProcess("lanes-peer", size, seed=21, options=opts)
+    agent = kvt.open("ucx", name="lanes-local", lanes=2, **opts)
+    try:
+        buf = np.zeros(size, np.uint8)
+        region = agent.register(buf)
+        p = agent.connect(peer.metadata)
+        assert peer.call(cmd="connect", md=agent.metadata().hex()) == {"ok": True}
+        theirs = expected_bytes(size, 21)
+        block = 1 << 20
+        src = np.random.default_rng(3).permutation(size // block).astype(np.int64) * block
+        dst = np.arange(size // block, dtype=np.int64) * block
+        ln = np.full(len(src), block, np.int64)
+        t = agent.read(p, region.segments(dst, ln), p.regions[0].segments(src, ln), timeout=60)
+        assert t.wait().ok
+        for s, d in zip(src, dst):
+            assert np.array_equal(buf[d : d + block], theirs[s : s + block])
+        if op == "WRITE":
+            buf[:] = np.random.default_rng(4).integers(0, 256, size, dtype=np.uint8)
+            t = agent.write(p, region.segments(dst, ln), p.regions[0].segments(src, ln), notify=b"w", timeout=60)
+            assert t.wait().ok
+            assert peer.call(cmd="notifications", wait=2)["notes"] == [["lanes-local", b"w".hex()]]
+            got = peer.call(cmd="sha", offsets=src.tolist(), lengths=ln.tolist())
+            assert got["sha"] == sha(buf, dst, ln)
+    finally:
+        peer.close()
+        agent.close()
