@@ -139,10 +139,16 @@ class UcpWorker:
         hp.cb = ctypes.cast(self._am_cb, c_void_p).value
         U.check(self.ucp.ucp_worker_set_am_recv_handler(self.worker, byref(hp)), "ucp_worker_set_am_recv_handler")
 
-        addr, alen = c_void_p(), c_size_t()
-        U.check(self.ucp.ucp_worker_get_address(self.worker, byref(addr), byref(alen)), "ucp_worker_get_address")
-        self.address = ctypes.string_at(addr, alen.value)
-        self.ucp.ucp_worker_release_address(self.worker, addr)
+        #: Worker address of every lane; peers connect their lane k to our lane k, so over
+        #: tcp each of our progress threads serves one share of the peers' RMA.
+        self.addresses: list[bytes] = []
+        for lane in self.lanes:
+            addr, alen = c_void_p(), c_size_t()
+            U.check(self.ucp.ucp_worker_get_address(lane.worker, byref(addr), byref(alen)),
+                    "ucp_worker_get_address")
+            self.addresses.append(ctypes.string_at(addr, alen.value))
+            self.ucp.ucp_worker_release_address(lane.worker, addr)
+        self.address = self.addresses[0]
 
         self._pipes: list[tuple[int, int]] = []
         for _ in self.lanes:

@@ -69,6 +69,8 @@ class _Export(msgspec.Struct, frozen=True):
     boot_id: str
     pid_ns: str
     hostname: str
+    #: Addresses of all our lanes (address == lane_addresses[0]); empty from older peers.
+    lane_addresses: list[bytes] = []
 
 
 _ENC = msgspec.msgpack.Encoder()
@@ -257,7 +259,7 @@ class UcxBackend(Backend):
     def export(self) -> bytes:
         i = self._ident
         return _ENC.encode(_Export(1, self._w.address, self.opts.err_mode, i.pid, i.start_time,
-                                   i.boot_id, i.pid_ns, i.hostname))
+                                   i.boot_id, i.pid_ns, i.hostname, list(self._w.addresses)))
 
     def connect(self, peer_name: str, blob: bytes, regions: Sequence[RemoteRegion]) -> _Conn:
         try:
@@ -311,8 +313,12 @@ class UcxBackend(Backend):
         conn.broken = conn.forced = False
 
     def _create_ep(self, lane: Lane, conn: _Conn) -> int:
-        """One endpoint from ``lane`` to the peer's (lane 0) worker address (lane lock held)."""
-        addr = ctypes.create_string_buffer(conn.exp.address, len(conn.exp.address))
+        """One endpoint from our ``lane`` to the peer's lane of the same index (modulo its
+        lane count; lane 0 for a peer that exports one address) (lane lock held). Lane 0
+        endpoints carry the notifications, so they always reach the peer's lane 0."""
+        theirs = conn.exp.lane_addresses or [conn.exp.address]
+        target = theirs[lane.index % len(theirs)]
+        addr = ctypes.create_string_buffer(target, len(target))
         p = U.ucp_ep_params_t()
         p.field_mask = U.UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | U.UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
         p.address = ctypes.addressof(addr)

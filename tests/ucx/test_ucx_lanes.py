@@ -139,3 +139,62 @@ def test_split_transfer_across_processes_is_byte_exact(opts, op):
     finally:
         peer.close()
         agent.close()
+
+
+@pytest.mark.parametrize("mine, theirs", [(3, 1), (1, 3), (2, 4)])
+def test_agents_with_different_lane_counts_interoperate(mine, theirs):
+    """Our lane k connects to the peer's lane k modulo its lane count; both directions move
+    every byte, and notifications (always lane 0 to lane 0) arrive."""
+    size = 6 << 20
+    rng = np.random.default_rng(mine * 7 + theirs)
+    x, y = rng.integers(0, 256, size, dtype=np.uint8), np.zeros(size, np.uint8)
+    a = kvt.open("ucx", name=f"mix-a{mine}", tls="tcp", lanes=mine, lane_split_bytes=0)
+    b = kvt.open("ucx", name=f"mix-b{theirs}", tls="tcp", lanes=theirs, lane_split_bytes=0)
+    try:
+        ra, rb = a.register(x), b.register(y)
+        pa, pb = a.connect(b.metadata()), b.connect(a.metadata())
+        seg = np.array([0], np.int64), np.array([size], np.int64)
+        assert a.write(pa, ra.segments(*seg), pa.region(rb.id).segments(*seg), notify=b"w").wait().ok
+        assert np.array_equal(x, y)
+        y[:] = rng.integers(0, 256, size, dtype=np.uint8)
+        assert b.write(pb, rb.segments(*seg), pb.region(ra.id).segments(*seg), notify=b"w2").wait().ok
+        assert np.array_equal(x, y)
+        got_b, got_a = [], []
+        for _ in range(200):
+            got_b += b.notifications()
+            got_a += a.notifications()
+            if got_a and got_b:
+                break
+            time.sleep(0.01)
+        assert [n.payload for n in got_b] == [b"w"] and [n.payload for n in got_a] == [b"w2"]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_peer_exporting_a_single_address_is_reached_on_every_lane():
+    """A peer whose blob lists no lane addresses (older kvtransport) is reached through its one
+    address from all our lanes."""
+    import msgspec
+
+    from kvtransport_ucx import backend as B
+
+    size = 4 << 20
+    a = kvt.open("ucx", name="old-style-a", tls="tcp", lanes=2, lane_split_bytes=0)
+    b = kvt.open("ucx", name="old-style-b", tls="tcp", lanes=2)
+    try:
+        x, y = np.arange(size, dtype=np.uint32).view(np.uint8)[:size].copy(), np.zeros(size, np.uint8)
+        ra, rb = a.register(x), b.register(y)
+        blob = b._backend.export()
+        exp = msgspec.msgpack.decode(blob, type=B._Export)
+        assert len(exp.lane_addresses) == 2
+        old = msgspec.structs.replace(exp, lane_addresses=[])
+        b._backend.export = lambda: msgspec.msgpack.encode(old)
+        pa = a.connect(b.metadata())
+        seg = np.array([0], np.int64), np.array([size], np.int64)
+        assert a.write(pa, ra.segments(*seg), pa.region(rb.id).segments(*seg)).wait().ok
+        assert np.array_equal(x, y)
+        assert all(n > 0 for n in a.describe()["bytes_per_lane"])
+    finally:
+        a.close()
+        b.close()
