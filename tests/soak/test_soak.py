@@ -89,8 +89,10 @@ def test_soak_ucx(request, mode):
         pytest.skip(f"ucx backend not usable here: {why}")
     seed = request.config.getoption("--soak-seed", default=1) or 1
     n = request.config.getoption("--soak-requests", default=None)
+    # lane_split_bytes=0: every transfer is shared by both lanes, so the soak's faults also
+    # hit the multi-lane completion and failure paths.
     cfg = SoakConfig(mode=mode, requests=int(n) if n else 150, seed=seed + 200, backend="ucx",
-                     backend_options={"tls": "tcp"})
+                     backend_options={"tls": "tcp", "lane_split_bytes": 0})
     _check(Soak(cfg).run(), {"core_fail", "sc_drop"})
 
 
