@@ -11,7 +11,7 @@ shift || true
 VENV=${KVT_VENV:-.venv}
 PY=${PYTHON:-python3}
 
-install() {  # install LEVEL: "core" (numpy, pyzmq, msgspec, stevedore, rich) or "full"
+install() {  # install LEVEL: "core" (numpy, pyzmq, msgspec, stevedore, rich), "ucx" (core + libucx) or "full"
   local level=$1 stamp="$VENV/.kvt-installed-$1" want
   want=$(cat pyproject.toml scripts/dev.sh | sha256sum | cut -c1-16)
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
@@ -20,6 +20,8 @@ install() {  # install LEVEL: "core" (numpy, pyzmq, msgspec, stevedore, rich) or
   "$VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel
   if [ "$level" = core ]; then
     "$VENV/bin/python" -m pip install -q -e .
+  elif [ "$level" = ucx ]; then
+    "$VENV/bin/python" -m pip install -q -e ".[ucx]"
   else
     # vLLM's CPU build needs this exact CPU torch first (it lies on this machine's disk);
     # without it pip would pull a multi-GB CUDA build.
@@ -34,7 +36,14 @@ install() {  # install LEVEL: "core" (numpy, pyzmq, msgspec, stevedore, rich) or
 
 case "$cmd" in
   bench)
-    install core
+    # The job on another backend needs that backend's extra (`--backend ucx` -> libucx-cu12).
+    level=core
+    prev=""
+    for a in "$@"; do
+      if [ "$a" = "--backend=ucx" ] || { [ "$prev" = "--backend" ] && [ "$a" = ucx ]; }; then level=ucx; fi
+      prev=$a
+    done
+    install "$level"
     exec "$VENV/bin/kvtransport" bench "$@"
     ;;
   test)
