@@ -12,16 +12,14 @@ import pytest
 
 import kvtransport as kvt
 from kvtransport.errors import BackendOptionError, PeerMetadataError
-from ucx_helpers import PeerProcess, expected_bytes
+from ucx_helpers import PeerProcess, expected_bytes, skip_unless_ucx_usable
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(autouse=True)
 def _need_ucx():
-    info = {b.name: b for b in kvt.available_backends()}
-    if "ucx" not in info or not info["ucx"].usable:
-        pytest.skip(f"ucx backend not usable here: {info.get('ucx') and info['ucx'].reason}")
+    skip_unless_ucx_usable()
 
 
 @pytest.mark.parametrize(

@@ -14,16 +14,14 @@ import pytest
 import kvtransport as kvt
 from kvtransport.errors import BackendOptionError
 from kvtransport_ucx.backend import _cut
-from ucx_helpers import TLS_OPTIONS, PeerProcess, expected_bytes, sha
+from ucx_helpers import TLS_OPTIONS, PeerProcess, expected_bytes, sha, skip_unless_ucx_usable
 
 pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture(autouse=True)
 def _need_ucx():
-    info = {b.name: b for b in kvt.available_backends()}
-    if "ucx" not in info or not info["ucx"].usable:
-        pytest.skip(f"ucx backend not usable here: {info.get('ucx') and info['ucx'].reason}")
+    skip_unless_ucx_usable()
 
 
 def _expand(la, ra, ln) -> np.ndarray:

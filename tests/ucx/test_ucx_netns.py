@@ -8,9 +8,8 @@ import subprocess
 
 import pytest
 
-import kvtransport as kvt
 import netns_helpers
-from ucx_helpers import PeerProcess, expected_bytes, sha
+from ucx_helpers import PeerProcess, expected_bytes, sha, skip_unless_ucx_usable
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,9 +25,7 @@ def _counter(ns: str, dev: str, name: str) -> int:
 
 @pytest.fixture
 def veth_namespaces():
-    info = {b.name: b for b in kvt.available_backends()}
-    if "ucx" not in info or not info["ucx"].usable:
-        pytest.skip(f"ucx backend not usable here: {info.get('ucx') and info['ucx'].reason}")
+    skip_unless_ucx_usable()
     with netns_helpers.veth_namespaces("kvt", "kv", ("10.213.77.1/24", "10.213.77.2/24")) as ends:
         yield ends
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvtransport as kvt
-from ucx_helpers import TLS_OPTIONS, PeerProcess, expected_bytes
+from ucx_helpers import TLS_OPTIONS, PeerProcess, expected_bytes, skip_unless_ucx_usable
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -19,16 +19,10 @@ SIZE = 64 << 20
 TIMEOUT = 20.0
 
 
-def _usable() -> None:
-    info = {b.name: b for b in kvt.available_backends()}
-    if "ucx" not in info or not info["ucx"].usable:
-        pytest.skip(f"ucx backend not usable here: {info.get('ucx') and info['ucx'].reason}")
-
-
 @pytest.mark.parametrize("op", ["read", "write"])
 @pytest.mark.parametrize("opts", TLS_OPTIONS, ids=lambda o: o["tls"])
 def test_killed_peer_fails_transfers_before_deadline_and_agent_survives(opts, op):
-    _usable()
+    skip_unless_ucx_usable()
     victim = PeerProcess("victim", SIZE, seed=11, options=opts)
     other = None
     agent = kvt.open("ucx", name="survivor", **opts)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kvtransport as kvt
-from ucx_helpers import TLS_OPTIONS, PeerProcess, expected_bytes, sha
+from ucx_helpers import TLS_OPTIONS, PeerProcess, expected_bytes, sha, skip_unless_ucx_usable
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -19,16 +19,10 @@ NBLOCKS = 256
 SIZE = BLOCK * NBLOCKS
 
 
-def _usable() -> None:
-    info = {b.name: b for b in kvt.available_backends()}
-    if "ucx" not in info or not info["ucx"].usable:
-        pytest.skip(f"ucx backend not usable here: {info.get('ucx') and info['ucx'].reason}")
-
-
 @pytest.fixture(params=TLS_OPTIONS, ids=lambda o: o["tls"])
 def pair(request):
     """(local agent, its buffer, its region, peer handle, peer process)."""
-    _usable()
+    skip_unless_ucx_usable()
     opts = request.param
     peer = PeerProcess("producer", SIZE, seed=7, options=opts)
     agent = kvt.open("ucx", name="consumer", **opts)
@@ -137,7 +131,7 @@ def test_standalone_notification_both_ways(pair):
 
 
 def test_idle_agent_does_not_burn_cpu():
-    _usable()
+    skip_unless_ucx_usable()
     with kvt.open("ucx", name="idle-a", tls="tcp") as a, kvt.open("ucx", name="idle-b", tls="tcp") as b:
         a.connect(b.metadata())
         b.connect(a.metadata())

@@ -10,11 +10,21 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
+
+import kvtransport as kvt
 
 PEER_SCRIPT = Path(__file__).with_name("ucx_peer.py")
 
 #: Backend option sets the ucx backend must pass with (tell the conformance suite the same).
 TLS_OPTIONS = [{"tls": "tcp"}, {"tls": "shm"}, {"tls": "cma+tcp"}]
+
+
+def skip_unless_ucx_usable() -> None:
+    """Skip the calling test, with the backend's own reason, where ucx cannot run here."""
+    info = {b.name: b for b in kvt.available_backends()}
+    if "ucx" not in info or not info["ucx"].usable:
+        pytest.skip(f"ucx backend not usable here: {info.get('ucx') and info['ucx'].reason}")
 
 
 def expected_bytes(size: int, seed: int) -> np.ndarray:
