@@ -49,9 +49,12 @@ PICK = st.integers(0, 1 << 20)
 def _pick(items, i: int) -> str:
     keys = sorted(items)
     return keys[i % len(keys)]
+
+
 #: The scripted handoff each example opens with, in turn (see LifecycleMachine._handoff).
 OPENERS = ("clean", "failing", "lease")
 _OPENED = [0]
+
 #: what the run exercised (printed at the end; asserted non-trivial)
 STATS: dict[str, int] = {}
 
@@ -119,7 +122,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         show loads checked byte for byte, loads reported failed and leases that lapsed
         (seen: 31 examples, 11 loads, all failed)."""
         self.scripted.add(outcome)
-        saved = ([(p.fail_rate, p.hang_rate) for p in (self.p_faults, self.c_faults)], dict(_SC.rates))
+        # Both plans are only ever set together (_faults), so one pair describes them.
+        saved_faults, saved_rates = (self.p_faults.fail_rate, self.p_faults.hang_rate), dict(_SC.rates)
         self._faults(1.0 if outcome == "failing" else 0.0, 0.0)
         _SC.rates.update(drop=0.0, dup_frame=0.0, dup_msg=0.0, delay=0.0)
         try:
@@ -129,8 +133,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             if outcome == "lease":
                 p = self.params.pop(rid, None)  # the consumer never comes
                 key = p and p["transfer_id"]
-                for _ in range(10 if key else 0):  # the hold is bound at the producer's next step
-                    if key in self.pw._holds:
+                for _ in range(10):  # the hold is bound at one of the producer's next steps
+                    if not key or key in self.pw._holds:
                         break
                     self._step_p()
                 with self.pw._lock:
@@ -148,9 +152,8 @@ class LifecycleMachine(RuleBasedStateMachine):
                     time.sleep(0.002)
             _count(f"scripted_{outcome}")
         finally:
-            for plan, (fail, hang) in zip((self.p_faults, self.c_faults), saved[0]):
-                plan.fail_rate, plan.hang_rate = fail, hang
-            _SC.rates.update(saved[1])
+            self._faults(*saved_faults)
+            _SC.rates.update(saved_rates)
 
     def _faults(self, fail: float, hang: float) -> None:
         for plan in (self.p_faults, self.c_faults):
