@@ -1,0 +1,126 @@
+"""Which process exported some memory, and whether that very process still runs.
+
+A pid alone does not name a process: the kernel recycles pids, so a peer that died may be
+"alive" again as an unrelated process. The kernel's start time of the pid (field 22 of
+``/proc/PID/stat``, clock ticks since boot) together with the pid does name one process for
+the life of a boot, and the boot id says which boot that was. Backends export a
+:class:`ProcessIdentity` with their memory so a same-host peer can tell, before it writes, that
+the memory's owner is still the process that exported it (loopback's cma path), or learn that
+a peer died sooner than a deadline would tell it (ucx over transports without peer-failure
+reports).
+
+Linux only; where ``/proc`` cannot be read the answer is "cannot tell" (``None``), never a
+guess.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+__all__ = ["ProcessIdentity", "boot_id", "pid_namespace", "process_start_time"]
+
+#: ``PF_EXITING`` from include/linux/sched.h: the process is being torn down. Its memory
+#: may already be gone although ``/proc/PID`` still exists.
+_PF_EXITING = 0x00000004
+#: States of a process that will never run again: zombie, dead.
+_GONE_STATES = frozenset({"Z", "X", "x"})
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name, or None if the pid is gone.
+
+    The command name (field 2, in parentheses) may itself contain spaces and parentheses, so
+    the split starts after the *last* ``)``: element 0 is field 3 (state), element ``k`` is
+    field ``k + 3``.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    end = data.rfind(b")")
+    if end < 0:
+        return None
+    return data[end + 2:].decode("ascii", "replace").split()
+
+
+def process_start_time(pid: int) -> int:
+    """Start time of ``pid`` in clock ticks since boot (field 22 of /proc/PID/stat); -1 if gone."""
+    fields = _stat_fields(pid)
+    try:
+        return int(fields[19]) if fields else -1
+    except (IndexError, ValueError):
+        return -1
+
+
+@functools.cache
+def boot_id() -> str:
+    """This boot's id (``/proc/sys/kernel/random/boot_id``); "" where it cannot be read.
+
+    Start times count from boot, so two identities compare only within one boot id.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+@functools.cache
+def pid_namespace() -> str:
+    """Inode of our pid namespace ("" if unknown): a pid means the same process only to
+    processes of the same namespace (two containers on one kernel share the boot id)."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return ""
+
+
+@dataclass(frozen=True)
+class ProcessIdentity:
+    """One process of one boot: ``pid`` + kernel ``start_time`` + ``boot_id``.
+
+    ``pid_ns`` (optional, "" = unknown) is the pid namespace the pid is valid in; when it is
+    known and differs from ours, :meth:`is_alive` cannot tell and answers None.
+    """
+
+    pid: int
+    start_time: int
+    boot_id: str
+    pid_ns: str = ""
+
+    @classmethod
+    def current(cls) -> ProcessIdentity:
+        pid = os.getpid()
+        return cls(pid, process_start_time(pid), boot_id(), pid_namespace())
+
+    def checkable_here(self) -> bool:
+        """Whether this identity's pid can be looked up from this process: same boot and
+        (when known) same pid namespace."""
+        if not self.boot_id or self.boot_id != boot_id():
+            return False
+        return not self.pid_ns or self.pid_ns == pid_namespace()
+
+    def is_alive(self) -> bool | None:
+        """True: that very process still runs. False: it exited, is exiting, or the pid now
+        belongs to another process. None: cannot tell here (another boot or host, another
+        pid namespace, ``/proc`` unreadable).
+
+        A process counts as gone from the moment the kernel flags it ``PF_EXITING``, before
+        its memory is torn down, and as a zombie: so a copy that failed because the peer's
+        memory vanished is always followed by ``is_alive() is False``.
+        """
+        if not self.checkable_here():
+            return None
+        fields = _stat_fields(self.pid)
+        if fields is None:
+            return False
+        try:
+            state, flags, start = fields[0], int(fields[6]), int(fields[19])
+        except (IndexError, ValueError):
+            return None
+        if start != self.start_time:
+            return False  # the pid was recycled (or the identity was never true)
+        return state not in _GONE_STATES and not flags & _PF_EXITING

@@ -1,0 +1,110 @@
+"""kvtransport.process_identity: pid + start time + boot id name one process.
+
+Real processes throughout: our own, children that run, exit (zombie, then reaped), and a
+child whose command name holds spaces and parentheses.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtransport.process_identity import ProcessIdentity, boot_id, pid_namespace, process_start_time
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux /proc")
+
+
+def _uptime_ticks() -> float:
+    with open("/proc/uptime") as f:
+        return float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK")
+
+
+def _waiting_child(executable: str = sys.executable) -> subprocess.Popen:
+    """A child that runs until its stdin closes (no sleep: it blocks on a read)."""
+    return subprocess.Popen([executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+
+
+def test_own_process_is_alive() -> None:
+    me = ProcessIdentity.current()
+    assert me.pid == os.getpid()
+    assert me.start_time == process_start_time(os.getpid()) > 0
+    assert me.boot_id == boot_id() != ""
+    assert me.pid_ns == pid_namespace()
+    assert me.is_alive() is True
+    # Only the three named fields are needed (what a peer's export carries).
+    assert ProcessIdentity(me.pid, me.start_time, me.boot_id).is_alive() is True
+
+
+def test_running_child_alive_then_zombie_then_reaped_is_false() -> None:
+    child = _waiting_child()
+    try:
+        ident = ProcessIdentity(child.pid, process_start_time(child.pid), boot_id())
+        assert ident.is_alive() is True
+    finally:
+        child.stdin.close()
+    # Wait for the exit without reaping: the pid still exists, as a zombie.
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+    assert process_start_time(child.pid) == ident.start_time  # /proc/PID still there
+    assert ident.is_alive() is False
+    assert child.wait() == 0
+    assert ident.is_alive() is False
+    # Whatever now holds that pid (usually nothing) is not our child.
+    assert process_start_time(child.pid) != ident.start_time
+
+
+def test_forged_start_time_is_false() -> None:
+    me = ProcessIdentity.current()
+    assert ProcessIdentity(me.pid, me.start_time + 1, me.boot_id).is_alive() is False
+    assert ProcessIdentity(me.pid, me.start_time - 1, me.boot_id).is_alive() is False
+
+
+def test_other_boot_or_namespace_or_unknown_boot_cannot_tell() -> None:
+    me = ProcessIdentity.current()
+    other_boot = "00000000-0000-0000-0000-000000000000"
+    assert other_boot != me.boot_id
+    assert ProcessIdentity(me.pid, me.start_time, other_boot).is_alive() is None
+    assert ProcessIdentity(me.pid, me.start_time, "").is_alive() is None
+    assert ProcessIdentity(me.pid, me.start_time, me.boot_id, "4026531836x").is_alive() is None
+    assert not ProcessIdentity(me.pid, me.start_time, other_boot).checkable_here()
+
+
+def test_gone_pid_has_no_start_time() -> None:
+    child = _waiting_child()
+    started = process_start_time(child.pid)
+    assert started > 0
+    child.stdin.close()
+    child.wait()
+    # Reaped: gone (-1), or the pid was recycled at once and has another start time.
+    assert process_start_time(child.pid) != started
+    assert process_start_time(0x7FFFFFFF) == -1  # above pid_max: never exists
+
+
+def test_command_name_with_spaces_and_parentheses(tmp_path: Path) -> None:
+    """The kernel's comm is the executable's base name: start one through a symlink named
+    with ") (" and spaces, so a parser splitting at the first ')' or on spaces reads the
+    wrong field. The start time must fall between the clock before and after the spawn."""
+    tricky = "kv) (t x) y"
+    link = tmp_path / tricky
+    link.symlink_to(sys.executable)
+    before = _uptime_ticks()
+    child = _waiting_child(str(link))
+    try:
+        after = _uptime_ticks()
+        with open(f"/proc/{child.pid}/comm") as f:
+            assert f.read().rstrip("\n") == tricky  # the name really is the tricky one
+        with open(f"/proc/{child.pid}/stat", "rb") as f:
+            naive = f.read().split()
+        st = process_start_time(child.pid)
+        assert math.floor(before) - 1 <= st <= math.ceil(after) + 1
+        assert naive[21] != str(st).encode()  # a naive split would have read another field
+        ident = ProcessIdentity(child.pid, st, boot_id())
+        assert ident.is_alive() is True
+    finally:
+        child.stdin.close()
+        child.wait()
+    assert ident.is_alive() is False
