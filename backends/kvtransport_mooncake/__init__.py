@@ -1,0 +1,1 @@
+"""kvtransport backend over Mooncake Transfer Engine."""

@@ -1,0 +1,1 @@
+"""kvtransport backend over NIXL (nixl-cu12)."""
