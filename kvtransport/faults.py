@@ -9,6 +9,11 @@ real backend, so the reliability tests exercise real data paths.
 
 Faults are drawn per transfer / per notification from a seeded RNG, so a failing run
 can be replayed with the same seed.
+
+Besides random faults, a test can hold one post inside the backend until it says so
+(:meth:`FaultInjectingBackend.gate_posts`): the model of a backend that does real work
+on the posting thread (UCX drives its worker inside ``post`` for milliseconds), used to
+make races between posting and the side channel deterministic.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 
 from .spi import Backend, LocalRegion, Op, PollResult, PostRequest, RemoteRegion
 
-__all__ = ["FaultPlan", "FaultInjectingBackend"]
+__all__ = ["FaultPlan", "FaultInjectingBackend", "PostGate"]
 
 
 @dataclass
@@ -59,6 +64,32 @@ class FaultPlan:
         self.injected[what] = self.injected.get(what, 0) + 1
 
 
+class PostGate:
+    """Holds the next post of one of ``ops`` inside ``Backend.post`` until :meth:`release`.
+
+    ``entered`` is set when a post reached the gate (the posting thread is now blocked in
+    ``post``, with nothing moved yet); ``passed`` is set once the real backend's post has
+    returned. One-shot: later posts are not held. If no release comes within
+    ``max_hold_s`` the post goes on anyway (``timed_out`` is set), so a failing test
+    cannot leave a thread blocked forever."""
+
+    def __init__(self, ops: frozenset[Op], max_hold_s: float = 60.0):
+        self.ops = ops
+        self.max_hold_s = max_hold_s
+        self.entered = threading.Event()
+        self.passed = threading.Event()
+        self.timed_out = False
+        self._open = threading.Event()
+
+    def release(self) -> None:
+        self._open.set()
+
+    def _hold(self) -> None:
+        self.entered.set()
+        if not self._open.wait(self.max_hold_s):
+            self.timed_out = True
+
+
 class _Injected:
     """Handle of a transfer whose fate the injector decided."""
 
@@ -84,6 +115,7 @@ class FaultInjectingBackend(Backend):
         self.options = inner.options
         self._rng = random.Random(plan.seed)
         self._killed: set[str] = set()
+        self._gate: PostGate | None = None
         self._lock = threading.Lock()
 
     # -- controls used by tests -----------------------------------------------
@@ -92,6 +124,14 @@ class FaultInjectingBackend(Backend):
         with self._lock:
             self._killed.add(peer_name)
         self.plan.count("peer_killed")
+
+    def gate_posts(self, ops: frozenset[Op] = frozenset({Op.WRITE}), max_hold_s: float = 60.0) -> PostGate:
+        """Hold the next post of one of ``ops`` inside ``post`` until the returned gate is
+        released; then the real backend posts it (real bytes move)."""
+        gate = PostGate(frozenset(ops), max_hold_s)
+        with self._lock:
+            self._gate = gate
+        return gate
 
     def revive_peer(self, peer_name: str) -> None:
         with self._lock:
@@ -121,6 +161,19 @@ class FaultInjectingBackend(Backend):
         return self.inner.peer_alive(peer)
 
     def post(self, req: PostRequest) -> Any:
+        gate = None
+        with self._lock:
+            if self._gate is not None and req.op in self._gate.ops:
+                gate, self._gate = self._gate, None
+        if gate is not None:
+            gate._hold()
+            try:
+                return self._post(req)
+            finally:
+                gate.passed.set()
+        return self._post(req)
+
+    def _post(self, req: PostRequest) -> Any:
         plan = self.plan
         if req.peer_name in self._killed:
             plan.count("fail_dead_peer")
