@@ -1,17 +1,28 @@
-"""Shared-secret authentication for side-channel messages.
+"""Shared-secret sealing of side-channel messages: confidential and authenticated.
 
 Agent metadata carries everything a peer needs to read or write our memory (addresses
-and, for RDMA backends, remote keys). Whoever can reach a side-channel port must not
-get it without proving they belong to the cluster. Every message is sealed as::
+and, for RDMA backends, remote keys). Whoever can reach a side-channel port, or merely
+watch its traffic, must not get it without holding the cluster secret. So every
+message is sealed with an AEAD (AES-256-GCM from ``cryptography``; see docs/SECURITY.md
+for why this and not ZMQ CURVE)::
 
-    b"KVTA1" | timestamp (8, big-endian ms) | nonce (16) | HMAC-SHA256 (32) | body
+    b"KVTA2" | timestamp (8, big-endian ms) | nonce (16) | reply_to (16) | ciphertext | tag (16)
 
-over ``context | timestamp | nonce | body`` where ``context`` names the channel and the
-direction (so a reply cannot be replayed as a request, nor a message of one channel on
-another). The receiver refuses a bad MAC, a timestamp outside the allowed skew, and a
-nonce it has already seen inside that window (replay). Bodies are authenticated, not
-encrypted: run the side channel on a trusted network or inside a tunnel if metadata
-itself must stay confidential.
+* the body is encrypted under a key used for this one message only:
+  ``HKDF-Expand(master, "...message key" | nonce)``, where ``master`` is
+  ``HKDF(cluster secret)``. A fresh key per message (from a random 128-bit nonce) means
+  the AEAD nonce is never reused however many messages the cluster sends in its
+  lifetime, with no counter to keep across forks or restarts;
+* the associated data is the header (magic and version, timestamp, nonce, reply_to) plus
+  the channel name and the direction, so a message of one channel cannot pass on
+  another, nor a reply as a request, nor can any header byte be changed;
+* ``reply_to`` binds a reply to the nonce of the request it answers (all zero for a
+  request or an unbound message): a reply sealed for request N is refused as the
+  answer to request M, even by another process that never saw N's reply.
+
+The receiver refuses a bad tag, a timestamp outside the allowed skew, and a nonce it
+has already seen inside that window (replay). A frame of the previous format (``KVTA1``:
+HMAC only, body in the clear) is refused with :class:`AuthVersionError` naming the fix.
 
 Configuration is one environment variable or option: ``KVTRANSPORT_SECRET`` (or
 ``KVTRANSPORT_SECRET_FILE``). Authentication is on by default; with no secret
@@ -21,8 +32,6 @@ Configuration is one environment variable or option: ``KVTRANSPORT_SECRET`` (or
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import secrets
 import struct
@@ -30,18 +39,38 @@ import threading
 import time
 from collections import OrderedDict
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF, HKDFExpand
+
 from .errors import KVTransportError
 
-__all__ = ["AuthError", "AuthConfigError", "Authenticator", "load_secret", "AUTH_OFF"]
+__all__ = ["AuthError", "AuthVersionError", "AuthConfigError", "Authenticator", "load_secret", "AUTH_OFF",
+           "MAGIC", "HEADER_BYTES", "TAG_BYTES", "OVERHEAD_BYTES"]
 
-MAGIC = b"KVTA1"
-_HEADER = struct.Struct(">5sQ16s32s")
+#: b"KVTA" and the framing version (one ASCII digit)
+MAGIC = b"KVTA2"
+_FAMILY = MAGIC[:4]
+_HEADER = struct.Struct(">5sQ16s16s")
 HEADER_BYTES = _HEADER.size
+TAG_BYTES = 16
+#: bytes a sealed frame adds to its body
+OVERHEAD_BYTES = HEADER_BYTES + TAG_BYTES
+NONCE_BYTES = 16
+_UNBOUND = bytes(NONCE_BYTES)
+_AEAD_NONCE = bytes(12)  # each key seals one message only, so a constant AEAD nonce is safe
+_MASTER_INFO = b"kvtransport side channel v2: master key"
+_MESSAGE_INFO = b"kvtransport side channel v2: message key|"
 AUTH_OFF = "off"
 
 
 class AuthError(KVTransportError):
-    """A message failed authentication (bad MAC, stale, replayed, or not sealed)."""
+    """A message failed authentication (bad tag, stale, replayed, misbound, or not sealed)."""
+
+
+class AuthVersionError(AuthError):
+    """The message is sealed with another version of the kvtransport framing."""
 
 
 class AuthConfigError(KVTransportError, ValueError):
@@ -74,47 +103,98 @@ def load_secret(value: str | bytes | None = None) -> bytes | None:
     return bytes(value)
 
 
+def _parse_header(frame: bytes) -> tuple[int, bytes, bytes]:
+    """(timestamp, nonce, reply_to) of a frame of this framing version, else AuthError."""
+    if len(frame) < OVERHEAD_BYTES:
+        if frame[:4] == _FAMILY and frame[:5] != MAGIC:
+            _refuse_version(frame)
+        raise AuthError("message too short to carry an authentication header")
+    magic, ts, nonce, reply_to = _HEADER.unpack_from(frame)
+    if magic != MAGIC:
+        if magic[:4] == _FAMILY:
+            _refuse_version(frame)
+        raise AuthError("message is not sealed with kvtransport authentication (bad magic)")
+    return ts, nonce, reply_to
+
+
+def _refuse_version(frame: bytes) -> None:
+    theirs = frame[:5].decode("ascii", "replace")
+    why = " (KVTA1 authenticated but did not encrypt: it sent memory keys in the clear)" if theirs == "KVTA1" else ""
+    raise AuthVersionError(
+        f"the peer seals side-channel messages with framing {theirs}{why}; this engine requires "
+        f"{MAGIC.decode()} (encrypted and authenticated): run the same kvtransport version on every "
+        "engine of the cluster"
+    )
+
+
 class Authenticator:
     """Seals and opens messages of one channel with the cluster secret.
 
     ``max_skew_s`` bounds the clocks' disagreement and the replay window; nonces seen
     within it are remembered (at most ``max_nonces``); a nonce is forgotten only once its
     message is older than the window, when a replay would be refused as stale anyway.
+    One instance may be shared by threads (the replay memory is locked).
     """
 
     def __init__(self, secret: bytes, channel: str, max_skew_s: float = 30.0, max_nonces: int = 65536):
         if not secret:
             raise AuthConfigError("empty secret")
-        self._key = hashlib.sha256(b"kvtransport-auth-v1|" + secret).digest()
+        self._master = HKDF(algorithm=hashes.SHA256(), length=32, salt=b"kvtransport-auth",
+                            info=_MASTER_INFO).derive(bytes(secret))
         self.channel = channel.encode()
         self.max_skew_ms = int(max_skew_s * 1000)
         self._seen: OrderedDict[bytes, int] = OrderedDict()
         self._max_nonces = max_nonces
         self._lock = threading.Lock()
 
-    def _mac(self, direction: bytes, ts: int, nonce: bytes, body: bytes) -> bytes:
-        h = hmac.new(self._key, digestmod=hashlib.sha256)
-        h.update(self.channel + b"|" + direction + b"|")
-        h.update(struct.pack(">Q", ts))
-        h.update(nonce)
-        h.update(body)
-        return h.digest()
+    # ------------------------------------------------------------------ header peeks
+    @staticmethod
+    def nonce_of(frame: bytes) -> bytes:
+        """The nonce of a sealed frame (read from its header, not authenticated): what a
+        reply to it is bound to with ``seal(..., request_nonce=...)``."""
+        return _parse_header(frame)[1]
 
-    def seal(self, body: bytes, direction: str = "req") -> bytes:
-        ts = int(time.time() * 1000)
-        nonce = secrets.token_bytes(16)
-        return _HEADER.pack(MAGIC, ts, nonce, self._mac(direction.encode(), ts, nonce, body)) + body
+    @staticmethod
+    def reply_to(frame: bytes) -> bytes | None:
+        """The request nonce a sealed reply claims to answer (read from its header, not
+        authenticated: :meth:`open` with ``request_nonce`` checks it); None when the frame
+        is not a bound reply of this framing."""
+        try:
+            r = _parse_header(frame)[2]
+        except AuthError:
+            return None
+        return None if r == _UNBOUND else r
 
-    def open(self, frame: bytes, direction: str = "req") -> bytes:
-        """Return the body of an authentic, fresh, first-seen message, else raise AuthError."""
-        if len(frame) < HEADER_BYTES:
-            raise AuthError("message too short to carry an authentication header")
-        magic, ts, nonce, mac = _HEADER.unpack_from(frame)
-        if magic != MAGIC:
-            raise AuthError("message is not sealed with kvtransport authentication (bad magic)")
-        body = bytes(frame[HEADER_BYTES:])
-        if not hmac.compare_digest(mac, self._mac(direction.encode(), ts, nonce, body)):
-            raise AuthError("bad MAC: the peer does not hold the cluster secret")
+    # ------------------------------------------------------------------ seal / open
+    def _aead(self, nonce: bytes) -> AESGCM:
+        return AESGCM(HKDFExpand(algorithm=hashes.SHA256(), length=32, info=_MESSAGE_INFO + nonce)
+                      .derive(self._master))
+
+    def _ad(self, header: bytes, direction: str) -> bytes:
+        return header + b"|" + self.channel + b"|" + direction.encode()
+
+    def seal(self, body: bytes, direction: str = "req", *, request_nonce: bytes | None = None) -> bytes:
+        """The sealed frame of ``body``. A reply passes the nonce of the request it answers
+        (:meth:`nonce_of` of that request's frame) as ``request_nonce``."""
+        if request_nonce is not None and (len(request_nonce) != NONCE_BYTES or request_nonce == _UNBOUND):
+            raise ValueError(f"request_nonce must be the {NONCE_BYTES}-byte nonce of a sealed request")
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        header = _HEADER.pack(MAGIC, int(time.time() * 1000), nonce, request_nonce or _UNBOUND)
+        return header + self._aead(nonce).encrypt(_AEAD_NONCE, body, self._ad(header, direction))
+
+    def open(self, frame: bytes, direction: str = "req", *, request_nonce: bytes | None = None) -> bytes:
+        """Return the body of an authentic, fresh, first-seen message, else raise AuthError.
+
+        With ``request_nonce``, the message must also be a reply bound to that request."""
+        ts, nonce, reply_to = _parse_header(frame)
+        if request_nonce is not None and reply_to != request_nonce:
+            raise AuthError("reply bound to another request (or to none): replayed or misdirected reply")
+        header = bytes(frame[:HEADER_BYTES])
+        try:
+            body = self._aead(nonce).decrypt(_AEAD_NONCE, bytes(frame[HEADER_BYTES:]), self._ad(header, direction))
+        except InvalidTag:
+            raise AuthError("bad authentication tag: the peer does not hold the cluster secret, or the "
+                            "message was altered on the way") from None
         now = int(time.time() * 1000)
         if abs(now - ts) > self.max_skew_ms:
             raise AuthError(f"stale message ({(now - ts) / 1000:.1f}s off); check clocks or replay")

@@ -6,12 +6,16 @@ talk to it through a DEALER (:class:`SideChannelClient`), never blocking: the wo
 sends and later collects replies in its per-step progress, so a dead peer can never
 stall vLLM's engine loop.
 
-Authentication: the Welcome reply carries this agent's metadata (addresses and, for RDMA
-backends, remote keys); whoever gets it can read or write our KV cache. So every request
-and every reply is sealed with the cluster secret (:class:`kvtransport.auth.Authenticator`,
-HMAC-SHA256 over channel, direction, timestamp, nonce and body; replays and stale
-messages refused). A request that fails authentication never reaches the handler: it
-gets at most a short unsealed ``Error(code="auth")`` naming the fix, and once failures
+Confidentiality and authentication: the Welcome reply carries this agent's metadata
+(addresses and, for RDMA backends, remote keys); whoever reads it can read or write our KV
+cache. So every request and every reply is sealed with the cluster secret
+(:class:`kvtransport.auth.Authenticator`: AES-256-GCM under a per-message key derived from
+the secret; channel, direction, timestamp and nonce authenticated; replays and stale
+messages refused): a tap on the path sees ciphertext only. Each reply is bound to the
+nonce of the request it answers; the client keeps the nonces of its unanswered requests
+(bounded) and accepts a reply only as the answer to one of them, once. A request that
+fails authentication never reaches the handler: it gets at most a short unsealed
+``Error(code="auth")`` naming the fix (a hint, never acted upon), and once failures
 exceed ``auth_fail_rate`` per second (token bucket) not even that: it is dropped.
 
 Hostile input: ZMQ drops frames over ``max_message_bytes`` (``MAXMSGSIZE``) before they
@@ -26,6 +30,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import msgspec
@@ -148,10 +153,11 @@ class SideChannelServer:
 
     def _handle(self, payload: bytes) -> bytes | None:
         """Reply bytes for one request frame (None: no reply)."""
-        body = payload
+        body, nonce = payload, None
         if self._auth is not None:
             try:
                 body = self._auth.open(payload, "req")
+                nonce = Authenticator.nonce_of(payload)
             except AuthError as exc:
                 return self._refuse("auth", f"side-channel request not authenticated ({exc}); set the same "
                                     "side_channel_secret / KVTRANSPORT_SECRET on both engines")
@@ -171,25 +177,51 @@ class SideChannelServer:
         self.counters["served"] += 1
         reply.cid = msg.cid
         out = encode(reply)
-        return self._auth.seal(out, "rep") if self._auth is not None else out
+        return self._auth.seal(out, "rep", request_nonce=nonce) if self._auth is not None else out
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2.0)
 
 
+class _CidOnly(msgspec.Struct):
+    cid: int = 0
+
+
+_CID_DECODER = msgspec.msgpack.Decoder(_CidOnly)
+
+
+def _cid_of(body: bytes) -> int | None:
+    """The ``cid`` of an encoded request body, or None when it carries none."""
+    try:
+        return _CID_DECODER.decode(body).cid
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
 class SideChannelClient:
-    """Non-blocking request/reply to one peer's server (DEALER socket, main thread only)."""
+    """Non-blocking request/reply to one peer's server (DEALER socket, main thread only).
+
+    With authentication on, every request sealed here is remembered (its nonce and cid)
+    until its reply arrives; a reply is accepted only if it is bound to one of those
+    nonces, carries that request's cid, and is the first answer to it. At most
+    ``max_pending`` unanswered requests are remembered (the oldest is forgotten first; a
+    late reply to it is then refused and counted)."""
 
     _cids = itertools.count(1)
 
     def __init__(self, host: str, port: int, *, auth: Authenticator | None,
-                 max_message_bytes: int = 16 * 1024 * 1024):
+                 max_message_bytes: int = 16 * 1024 * 1024, max_pending: int = 8192):
         """``auth`` is required: pass None only when authentication is explicitly off."""
         self.host, self.port = host, port
         self._auth = auth
-        #: replies dropped: not authentic (forged, replayed, or the peer refused us), undecodable
-        self.counters = {"auth": 0, "malformed": 0}
+        #: replies dropped: not authentic (forged, replayed, bound to no outstanding request
+        #: of ours, or the peer refused us), undecodable; ``misbound`` (also counted in
+        #: ``auth``): sealed replies that answer no request of ours still waiting for one
+        self.counters = {"auth": 0, "malformed": 0, "misbound": 0}
+        self._pending: OrderedDict[bytes, int | None] = OrderedDict()  # request nonce -> cid
+        self._max_pending = max(1, int(max_pending))
+        self._pending_lock = threading.Lock()
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, int(max_message_bytes))
@@ -204,8 +236,21 @@ class SideChannelClient:
         return msg.cid
 
     def seal(self, body: bytes) -> bytes:
-        """The wire frame of a request body (sealed unless auth is explicitly off)."""
-        return self._auth.seal(body, "req") if self._auth is not None else body
+        """The wire frame of a request body (sealed unless auth is explicitly off); a
+        sealed request is remembered as waiting for its reply."""
+        if self._auth is None:
+            return body
+        frame = self._auth.seal(body, "req")
+        with self._pending_lock:
+            self._pending[Authenticator.nonce_of(frame)] = _cid_of(body)
+            while len(self._pending) > self._max_pending:
+                self._pending.popitem(last=False)
+        return frame
+
+    @property
+    def pending(self) -> int:
+        """Sealed requests still waiting for their reply."""
+        return len(self._pending)
 
     def _transmit(self, body: bytes) -> None:
         """Seal and send one request body (the fault-injection seam of the soak tests)."""
@@ -227,7 +272,7 @@ class SideChannelClient:
             body = frames[-1]
             if self._auth is not None:
                 try:
-                    body = self._auth.open(body, "rep")
+                    body = self._open_reply(body)
                 except AuthError as exc:
                     self._unauthentic(body, exc)
                     continue
@@ -236,6 +281,32 @@ class SideChannelClient:
             except (msgspec.DecodeError, msgspec.ValidationError):
                 self.counters["malformed"] += 1
                 log.warning("side channel: undecodable reply from %s:%s dropped", self.host, self.port)
+
+    def _open_reply(self, frame: bytes) -> bytes:
+        """The body of an authentic reply to one of our unanswered requests, which is then
+        answered; else AuthError. The request is forgotten only once its reply proved
+        authentic, so a forged frame naming a pending nonce cannot cancel the real answer."""
+        assert self._auth is not None
+        request_nonce = Authenticator.reply_to(frame)
+        if request_nonce is None:
+            Authenticator.nonce_of(frame)  # not a sealed frame of ours: AuthError says why
+            self.counters["misbound"] += 1
+            raise AuthError("sealed reply bound to no request; every reply must answer one of ours")
+        with self._pending_lock:
+            known = request_nonce in self._pending
+            cid = self._pending.get(request_nonce)
+        if not known:
+            self.counters["misbound"] += 1
+            raise AuthError("reply to no request of ours still waiting for one (already answered, "
+                            "forgotten, or sent to another client): replayed or misdirected")
+        body = self._auth.open(frame, "rep", request_nonce=request_nonce)
+        got = _cid_of(body)
+        if cid is not None and got != cid:
+            self.counters["misbound"] += 1
+            raise AuthError(f"reply carries cid {got}, its request had cid {cid}")
+        with self._pending_lock:
+            self._pending.pop(request_nonce, None)
+        return body
 
     def _unauthentic(self, frame: bytes, exc: AuthError) -> None:
         """Drop a reply that is not authentic. If it is the server's unsealed refusal, log
