@@ -25,8 +25,13 @@ def _uptime_ticks() -> float:
 
 
 def _waiting_child(executable: str = sys.executable) -> subprocess.Popen:
-    """A child that runs until its stdin closes (no sleep: it blocks on a read)."""
-    return subprocess.Popen([executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    """A child that runs until its stdin closes (no sleep: it blocks on a read). Returns once
+    the child said it runs: Popen may return before the kernel renamed the child to its new
+    executable's name."""
+    child = subprocess.Popen([executable, "-c", "import sys; print('up', flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "up\n"
+    return child
 
 
 def test_own_process_is_alive() -> None:
@@ -52,6 +57,7 @@ def test_running_child_alive_then_zombie_then_reaped_is_false() -> None:
     assert process_start_time(child.pid) == ident.start_time  # /proc/PID still there
     assert ident.is_alive() is False
     assert child.wait() == 0
+    child.stdout.close()
     assert ident.is_alive() is False
     # Whatever now holds that pid (usually nothing) is not our child.
     assert process_start_time(child.pid) != ident.start_time
@@ -79,6 +85,7 @@ def test_gone_pid_has_no_start_time() -> None:
     assert started > 0
     child.stdin.close()
     child.wait()
+    child.stdout.close()
     # Reaped: gone (-1), or the pid was recycled at once and has another start time.
     assert process_start_time(child.pid) != started
     assert process_start_time(0x7FFFFFFF) == -1  # above pid_max: never exists
@@ -107,4 +114,5 @@ def test_command_name_with_spaces_and_parentheses(tmp_path: Path) -> None:
     finally:
         child.stdin.close()
         child.wait()
+        child.stdout.close()
     assert ident.is_alive() is False
