@@ -1,5 +1,8 @@
 """``kvtransport`` command line: ``backends`` (what is installed and usable here) and
-``bench`` (the main job: prefill and decode processes moving a paged KV cache)."""
+``bench`` (the main job: prefill and decode processes moving a paged KV cache).
+
+The bench job is its own package (``kvtransport_bench``), imported only when ``bench``
+runs: the core library does not carry it."""
 
 from __future__ import annotations
 
@@ -39,8 +42,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from .bench_job import BenchConfig, run_bench
+    from kvtransport_bench import BenchConfig, run_bench
+    from kvtransport_bench.plot import PlotUnavailableError, require_matplotlib, write_plot
 
+    if args.plot:
+        # Checked before the run: a missing extra fails now, not after the measurement.
+        try:
+            require_matplotlib()
+        except PlotUnavailableError as exc:
+            print(f"kvtransport: error: {exc}", file=sys.stderr)
+            return 2
     opts: dict[str, Any] = json.loads(args.backend_options) if args.backend_options else {}
     modes = ("read", "write") if args.mode == "both" else (args.mode,)
     cfg = BenchConfig(backend=args.backend, backend_options=opts, layers=args.layers,
@@ -79,32 +90,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                           str(r.verified_blocks), str(r.failed))
         console.print(table)
     if args.plot:
-        _plot(results, cfg, args.plot)
+        write_plot(results, cfg, args.plot)
         console.print(f"plot written to {args.plot}")
     return 1 if failed else 0
-
-
-def _plot(results: list, cfg: Any, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'kvtransport[dev]'") from None
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
-    modes = [r.mode.upper() for r in results]
-    ax1.bar(modes, [r.gbps for r in results], color=["tab:blue", "tab:orange"][: len(results)])
-    ax1.set_ylabel("GB/s")
-    ax1.set_title(f"{cfg.backend}: throughput")
-    for i, r in enumerate(results):
-        ax2.plot(["p50", "p90", "p99"], [r.latency_ms[p] for p in ("p50", "p90", "p99")], marker="o",
-                 label=modes[i])
-    ax2.set_ylabel("ms per request")
-    ax2.set_title(f"latency ({cfg.request_bytes / 2**20:.0f} MiB/request)")
-    ax2.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--warmup", type=int, default=2)
     be.add_argument("--timeout", type=float, default=60.0, help="deadline of each transfer, seconds")
     be.add_argument("--json", action="store_true", help="print results as JSON on stdout")
-    be.add_argument("--plot", metavar="FILE.png", default=None)
+    be.add_argument("--plot", metavar="FILE.png", default=None,
+                    help="also draw throughput and latency to this PNG (needs the 'plot' extra: matplotlib)")
     be.set_defaults(func=_cmd_bench)
     return p
 

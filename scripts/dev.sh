@@ -4,6 +4,9 @@
 #
 #   scripts/dev.sh bench [kvtransport bench options]   # the main job, on loopback by default
 #   scripts/dev.sh test  [pytest options]              # the whole test suite
+#
+# `test` requires the loopback and ucx backends (KVT_REQUIRED_BACKENDS=loopback,ucx unless
+# set): a test that would skip one of them because it cannot run here fails instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cmd=${1:-}
@@ -11,17 +14,18 @@ shift || true
 VENV=${KVT_VENV:-.venv}
 PY=${PYTHON:-python3}
 
-install() {  # install LEVEL: "core" (numpy, pyzmq, msgspec, stevedore, rich), "ucx" (core + libucx) or "full"
-  local level=$1 stamp="$VENV/.kvt-installed-$1" want
+install() {  # install LEVEL [EXTRAS]: LEVEL "core" installs the core (numpy, pyzmq, msgspec,
+  # stevedore, rich, cryptography) plus EXTRAS (comma-separated, e.g. "ucx,plot");
+  # LEVEL "full" installs everything the test suite needs.
+  local level=$1 extras=${2:-} stamp want
+  stamp="$VENV/.kvt-installed-${level}${extras:+-${extras//,/-}}"
   want=$(cat pyproject.toml scripts/dev.sh | sha256sum | cut -c1-16)
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
   if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then return; fi
-  echo "[dev.sh] installing ($level) into $VENV ..." >&2
+  echo "[dev.sh] installing (${level}${extras:+ + $extras}) into $VENV ..." >&2
   "$VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel
   if [ "$level" = core ]; then
-    "$VENV/bin/python" -m pip install -q -e .
-  elif [ "$level" = ucx ]; then
-    "$VENV/bin/python" -m pip install -q -e ".[ucx]"
+    "$VENV/bin/python" -m pip install -q -e ".${extras:+[$extras]}"
   else
     # vLLM's CPU build needs this exact CPU torch first (it lies on this machine's disk);
     # without it pip would pull a multi-GB CUDA build.
@@ -36,18 +40,23 @@ install() {  # install LEVEL: "core" (numpy, pyzmq, msgspec, stevedore, rich), "
 
 case "$cmd" in
   bench)
-    # The job on another backend needs that backend's extra (`--backend ucx` -> libucx-cu12).
-    level=core
+    # Options that need an extra get it installed first:
+    #   --backend ucx -> "ucx" (libucx-cu12); --plot FILE -> "plot" (matplotlib).
+    extras=()
     prev=""
     for a in "$@"; do
-      if [ "$a" = "--backend=ucx" ] || { [ "$prev" = "--backend" ] && [ "$a" = ucx ]; }; then level=ucx; fi
+      if [ "$a" = "--backend=ucx" ] || { [ "$prev" = "--backend" ] && [ "$a" = ucx ]; }; then extras+=(ucx); fi
+      case "$a" in --plot|--plot=*) extras+=(plot) ;; esac
       prev=$a
     done
-    install "$level"
+    install core "$(IFS=,; echo "${extras[*]:-}")"
     exec "$VENV/bin/kvtransport" bench "$@"
     ;;
   test)
     install full
+    # Backends that must run here: their tests FAIL instead of skipping when they cannot
+    # (kvtransport/testing/required.py). Override: KVT_REQUIRED_BACKENDS= (none) or a list.
+    export KVT_REQUIRED_BACKENDS="${KVT_REQUIRED_BACKENDS-loopback,ucx}"
     exec "$VENV/bin/python" -m pytest tests "$@"
     ;;
   *)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -49,3 +50,31 @@ def test_bench_refuses_bad_arguments():
     assert out.returncode == 2 and "blocks-per-request" in out.stderr
     out = subprocess.run(CLI + ["bench", "--backend", "nope"], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "installed backends" in out.stderr
+
+
+def test_bench_plot_without_matplotlib_fails_before_the_run(tmp_path):
+    """``--plot`` with matplotlib missing stops at once, naming the install, before any
+    process starts (no banner, no picture), instead of failing after the measurement."""
+    blocked = tmp_path / "blocked"
+    (blocked / "matplotlib").mkdir(parents=True)
+    (blocked / "matplotlib" / "__init__.py").write_text("raise ImportError('matplotlib hidden by the test')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(blocked), os.environ.get("PYTHONPATH")])))
+    plot = tmp_path / "out.png"
+    out = subprocess.run(CLI + ["bench", "--plot", str(plot), "--json"], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "kvtransport[plot]" in out.stderr and "matplotlib hidden by the test" in out.stderr
+    assert "kvtransport bench" not in out.stderr + out.stdout  # the run's banner: never started
+    assert out.stdout == "" and not plot.exists()
+
+
+def test_bench_job_is_not_part_of_the_core_package():
+    """The bench job lives in ``kvtransport_bench``; importing the library or its CLI
+    does not load it (the CLI imports it only for ``bench``)."""
+    code = ("import sys, importlib.util, kvtransport, kvtransport.cli; "
+            "assert 'kvtransport_bench' not in sys.modules, 'core imported the bench job'; "
+            "assert importlib.util.find_spec('kvtransport.bench_job') is None; "
+            "import kvtransport_bench; print(sorted(kvtransport_bench.__all__))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['BenchConfig', 'ModeResult', 'run_bench']"
