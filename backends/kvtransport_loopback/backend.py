@@ -7,22 +7,30 @@ same process still work through ``memmove``.
 
 Copies run on a small pool of worker threads (ctypes drops the GIL during the system
 call), so ``post`` returns at once and large transfers can use both cores.
-Notifications travel over a ZMQ PUSH/PULL socket pair on an ``ipc://`` path, sent by
-the worker only after the data moved, so a receiver never sees a notification before
-its bytes.
+Notifications travel over the core's authenticated notification transport
+(``kvtransport.notify``) on an ``ipc://`` path: each agent exports a random key in its
+blob and accepts only messages sealed with it, so a local process that finds the socket
+cannot forge a completion. They are sent by the worker only after the data moved, so a
+receiver never sees a notification before its bytes.
 
 Peer failure is detected, not guessed: every post checks that the peer's pid still
-runs the process that exported the memory (pid + start time), so a dead or restarted
-peer fails the transfer at once instead of at the deadline, and a recycled pid is never
-written to.
+runs the process that exported the memory (``kvtransport.process_identity``: pid +
+start time + boot id), so a dead or restarted peer fails the transfer at once instead of
+at the deadline, and a recycled pid is never written to.
+
+Under Yama ``ptrace_scope=1`` a peer may copy from or into this process only once this
+process names it with ``PR_SET_PTRACER``; see ``ptrace.py`` for how a connecting peer
+asks and is granted (never ANY unless the ``ptrace_grant="any"`` option says so).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +41,8 @@ import numpy as np
 import zmq
 
 from kvtransport.errors import BackendOptionError, IncompatiblePeerError, PeerMetadataError
+from kvtransport.notify import NotificationReceiver, NotificationSender, new_notification_key
+from kvtransport.process_identity import ProcessIdentity, process_start_time
 from kvtransport.spi import (
     Availability,
     Backend,
@@ -46,18 +56,15 @@ from kvtransport.spi import (
 )
 
 from . import cma
+from .ptrace import GRANT_MODES, PtracerPolicy, yama_scope
 
 __all__ = ["LoopbackBackend"]
 
-_OPTIONS = {"threads", "notify_dir", "min_split_bytes"}
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return "unknown-" + os.uname().nodename
+_OPTIONS = {"threads", "notify_dir", "min_split_bytes", "ptrace_grant"}
+#: Control message kind: "let me attach" (pid, start time, boot id, pid namespace).
+ATTACH = "attach"
+#: How long a copy refused with EPERM under Yama scope 1 keeps asking the peer to name us.
+_GRANT_WAIT_S = 10.0
 
 
 class _Export(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -65,23 +72,38 @@ class _Export(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     start_time: int
     boot_id: str
     notify_addr: str
+    notify_key: bytes = b""  # absent in blobs of kvtransport before authenticated notifications
+
+
+class _Attach(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    pid: int
+    start_time: int
+    boot_id: str
+    pid_ns: str
 
 
 _export_decoder = msgspec.msgpack.Decoder(_Export)
+_attach_decoder = msgspec.msgpack.Decoder(_Attach)
 
 
 class _Peer:
     def __init__(self, name: str, exp: _Export, same_process: bool):
         self.name = name
         self.pid = exp.pid
-        self.start_time = exp.start_time
+        self.identity = ProcessIdentity(exp.pid, exp.start_time, exp.boot_id)
         self.notify_addr = exp.notify_addr
+        self.notify_key = exp.notify_key
         self.same_process = same_process
-        self.sock: zmq.Socket | None = None  # created and used only on the notify thread
+        self.sender: NotificationSender | None = None  # created and used only on the notify thread
         self.gone = False
 
     def alive(self) -> bool:
-        return self.same_process or cma.process_start_time(self.pid) == self.start_time
+        if self.same_process:
+            return True
+        alive = self.identity.is_alive()
+        if alive is None:  # boot id unreadable: pid + start time still name the process
+            return process_start_time(self.pid) == self.identity.start_time
+        return alive
 
 
 class _Job:
@@ -124,11 +146,15 @@ class LoopbackBackend(Backend):
             raise BackendOptionError("loopback option threads must be >= 1")
         # Below this size a transfer is copied by one thread: splitting costs more than it saves.
         self.min_split_bytes = int(options.get("min_split_bytes", 8 << 20))
+        mode = options.get("ptrace_grant", "peer")
+        if mode not in GRANT_MODES:
+            raise BackendOptionError(f"loopback option ptrace_grant must be one of {GRANT_MODES}, got {mode!r}")
         self.cma_ok, self.cma_reason = cma.cma_available()
-        cma.allow_ptrace_from_peers()
-        self.pid = os.getpid()
-        self.start_time = cma.process_start_time(self.pid)
-        self.boot_id = _boot_id()
+        # No prctl at open: a peer is named ptracer when it asks (see ptrace.py).
+        self.ptrace = PtracerPolicy(yama_scope(), mode)
+        self.identity = ProcessIdentity.current()
+        self.pid = self.identity.pid
+        self.boot_id = self.identity.boot_id or "unknown-" + os.uname().nodename
         # A private (0700) directory: only this user can connect to the notification
         # socket. (Same-user processes can read our memory through CMA anyway.)
         self._own_dir = None if options.get("notify_dir") else tempfile.mkdtemp(prefix="kvt-lb-")
@@ -138,10 +164,9 @@ class LoopbackBackend(Backend):
         # The process-wide context: a per-agent context would be terminated by the garbage
         # collector when an agent is dropped without close(), which can block forever.
         self._ctx = zmq.Context.instance()
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
-        self._pull.bind(self.notify_addr)
+        self._notify_key = new_notification_key()
+        self._rx = NotificationReceiver(self._ctx, self.notify_addr, self._notify_key,
+                                        name=agent_name, on_control=self._on_control)
         self._copiers = ThreadPoolExecutor(self.threads, thread_name_prefix=f"kvt-lb-{agent_name}")
         # One thread owns every PUSH socket (ZMQ sockets are single-threaded) and keeps
         # notifications in the order their transfers completed.
@@ -158,7 +183,8 @@ class LoopbackBackend(Backend):
 
     # -- peers ----------------------------------------------------------------
     def export(self) -> bytes:
-        return msgspec.msgpack.encode(_Export(self.pid, self.start_time, self.boot_id, self.notify_addr))
+        return msgspec.msgpack.encode(_Export(self.pid, self.identity.start_time, self.boot_id,
+                                              self.notify_addr, self._notify_key))
 
     def connect(self, peer_name: str, blob: bytes, regions: Sequence[RemoteRegion]) -> Any:
         try:
@@ -171,6 +197,10 @@ class LoopbackBackend(Backend):
                 "only within one host — use the ucx backend across hosts")
         if not exp.notify_addr.startswith("ipc://"):
             raise PeerMetadataError(f"peer {peer_name!r} sent a non-ipc notify address")
+        if len(exp.notify_key) != 32:
+            raise PeerMetadataError(
+                f"peer {peer_name!r} exported no notification key (a kvtransport from before "
+                "authenticated notifications); run the same kvtransport version on both sides")
         same = exp.pid == self.pid
         if not same and not self.cma_ok:
             raise IncompatiblePeerError(
@@ -182,6 +212,9 @@ class LoopbackBackend(Backend):
         self._peers[peer_name] = peer
         if old is not None:
             self._retire(old)
+        if not same:
+            # Ask the peer to let us copy (it names us ptracer under Yama scope 1 only).
+            self._notifier.submit(self._send_attach, peer)
         return peer
 
     def disconnect(self, peer: _Peer) -> None:
@@ -197,9 +230,9 @@ class LoopbackBackend(Backend):
         peer.gone = True
 
         def close_sock() -> None:
-            if peer.sock is not None:
-                peer.sock.close(0)
-                peer.sock = None
+            if peer.sender is not None:
+                peer.sender.close(0)
+                peer.sender = None
 
         self._notifier.submit(close_sock)
 
@@ -259,8 +292,7 @@ class LoopbackBackend(Backend):
             if peer.same_process and not self.cma_ok:
                 self._memmove(req.op, la, ra, ln)
             else:
-                cma.copy_segments("read" if req.op is Op.READ else "write",
-                                  peer.pid, la, ra, ln, should_stop=lambda: job.cancelled)
+                self._cma_copy(job, req, peer, la, ra, ln)
         except Exception as exc:
             with job.lock:
                 job.error = job.error or (
@@ -285,6 +317,25 @@ class LoopbackBackend(Backend):
         else:
             self._notifier.submit(self._notify_then_done, job, peer, req.notify)
 
+    def _cma_copy(self, job: _Job, req: PostRequest, peer: _Peer,
+                  la: np.ndarray, ra: np.ndarray, ln: np.ndarray) -> None:
+        """CMA copy; under Yama scope 1 an EPERM means the peer names another ptracer (or
+        has not handled our request yet): ask again, back off, retry, within bounds."""
+        op = "read" if req.op is Op.READ else "write"
+        give_up = min(req.deadline, time.monotonic() + _GRANT_WAIT_S)
+        pause = 0.001
+        while True:
+            try:
+                cma.copy_segments(op, peer.pid, la, ra, ln, should_stop=lambda: job.cancelled)
+                return
+            except cma.CmaError as exc:
+                if (exc.errno != errno.EPERM or not self.ptrace.needs_grant or job.cancelled
+                        or self._closed or time.monotonic() >= give_up):
+                    raise
+            self._notifier.submit(self._send_attach, peer)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
     @staticmethod
     def _memmove(op: Op, la: np.ndarray, ra: np.ndarray, ln: np.ndarray) -> None:
         # Fallback when CMA is refused: one call per merged segment.
@@ -292,14 +343,23 @@ class LoopbackBackend(Backend):
         for d, s, n in zip(dst.tolist(), src.tolist(), ln.tolist()):
             ctypes.memmove(d, s, n)
 
-    def _send(self, peer: _Peer, payload: bytes) -> None:
-        if peer.sock is None:
-            s = self._ctx.socket(zmq.PUSH)
-            s.setsockopt(zmq.LINGER, 1000)
-            s.setsockopt(zmq.SNDHWM, 100_000)
-            s.connect(peer.notify_addr)
-            peer.sock = s
-        peer.sock.send_multipart([self.agent_name.encode(), payload], flags=zmq.NOBLOCK)
+    def _send(self, peer: _Peer, payload: bytes, kind: str = "n") -> None:
+        if peer.sender is None:
+            peer.sender = NotificationSender(self._ctx, peer.notify_addr, peer.notify_key, self.agent_name)
+        peer.sender.send(payload, kind)
+
+    def _send_attach(self, peer: _Peer) -> None:
+        if peer.gone:
+            return
+        me = self.identity
+        self._send(peer, msgspec.msgpack.encode(_Attach(me.pid, me.start_time, me.boot_id, me.pid_ns)), ATTACH)
+
+    def _on_control(self, kind: str, sender: str, payload: bytes) -> None:
+        """Receiver thread: a peer that holds our metadata asks to copy from/into us."""
+        if kind != ATTACH:
+            raise ValueError(f"unknown control message {kind!r}")
+        a = _attach_decoder.decode(payload)
+        self.ptrace.on_attach_request(ProcessIdentity(a.pid, a.start_time, a.boot_id, a.pid_ns))
 
     def _notify_then_done(self, job: _Job, peer: _Peer, payload: bytes) -> None:
         try:
@@ -325,14 +385,7 @@ class LoopbackBackend(Backend):
 
     # -- notifications --------------------------------------------------------
     def notifications(self) -> list[tuple[str, bytes]]:
-        out: list[tuple[str, bytes]] = []
-        while True:
-            try:
-                frames = self._pull.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return out
-            if len(frames) == 2:  # anything else is not from a loopback agent: dropped
-                out.append((frames[0].decode(errors="replace"), frames[1]))
+        return self._rx.drain()
 
     def send_notification(self, peer: _Peer, payload: bytes) -> None:
         if peer.gone or not peer.alive():
@@ -349,7 +402,7 @@ class LoopbackBackend(Backend):
         for p in list(self._peers.values()):
             self._retire(p)
         self._notifier.shutdown(wait=True)
-        self._pull.close(0)
+        self._rx.close()
         for path, rm in ((self._ipc_path, os.unlink), (self._own_dir, os.rmdir)):
             try:
                 if path:
@@ -359,5 +412,8 @@ class LoopbackBackend(Backend):
 
     def describe(self) -> dict[str, Any]:
         return {"cross_process": self.cma_ok, "cross_process_reason": self.cma_reason,
-                "threads": self.threads, "notify_addr": self.notify_addr}
+                "threads": self.threads, "notify_addr": self.notify_addr,
+                "notification_refusals": self._rx.refusals,
+                "ptrace_scope": self.ptrace.scope, "ptrace_grant": self.ptrace.mode,
+                "ptrace_grants": self.ptrace.grants}
 

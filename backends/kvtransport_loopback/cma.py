@@ -15,12 +15,11 @@ import sys
 
 import numpy as np
 
-__all__ = ["IOV_MAX", "CmaError", "cma_available", "copy_segments", "process_start_time",
-           "allow_ptrace_from_peers"]
+from .ptrace import yama_scope
+
+__all__ = ["IOV_MAX", "CmaError", "cma_available", "copy_segments"]
 
 IOV_MAX = 1024
-PR_SET_PTRACER = 0x59616D61
-PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _ssize_t = ctypes.c_ssize_t
@@ -36,33 +35,6 @@ for _name in ("process_vm_readv", "process_vm_writev"):
 
 class CmaError(OSError):
     """A cross-memory copy failed; ``errno`` says why (ESRCH: peer gone, EPERM: refused)."""
-
-
-def process_start_time(pid: int) -> int:
-    """Start time of ``pid`` in clock ticks since boot (field 22 of /proc/PID/stat); -1 if gone.
-
-    Together with the pid it names a process uniquely, so a recycled pid is never
-    mistaken for the peer that exported its memory.
-    """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return -1
-    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
-    rest = data[data.rfind(b")") + 2:].split()
-    return int(rest[19])
-
-
-def allow_ptrace_from_peers() -> None:
-    """Under Yama ptrace_scope=1, let any process of ours attach (needed for CMA)."""
-    try:
-        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-            scope = int(f.read().strip() or 0)
-    except OSError:
-        return
-    if scope == 1:
-        _libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(PR_SET_PTRACER_ANY), 0, 0, 0)
 
 
 def cma_available() -> tuple[bool, str]:
@@ -81,14 +53,10 @@ def cma_available() -> tuple[bool, str]:
         return False, f"the kernel refused process_vm_readv ({exc}); cross-process loopback is off"
     if not np.array_equal(src, dst):
         return False, "process_vm_readv returned wrong bytes"
-    try:
-        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-            scope = int(f.read().strip() or 0)
-        if scope >= 2:
-            return False, (f"kernel.yama.ptrace_scope={scope} forbids attaching to other processes; "
-                           "set it to 0 or 1 (sysctl kernel.yama.ptrace_scope=1) for cross-process loopback")
-    except OSError:
-        pass
+    scope = yama_scope()
+    if scope is not None and scope >= 2:
+        return False, (f"kernel.yama.ptrace_scope={scope} forbids attaching to other processes; "
+                       "set it to 0 or 1 (sysctl kernel.yama.ptrace_scope=1) for cross-process loopback")
     return True, ""
 
 

@@ -3,7 +3,7 @@
 The core wraps this blob in its own versioned metadata (agent name, regions with their
 per-region blobs = packed mori ``MemoryDesc``). Here we only carry what mori needs to reach
 this agent (its packed ``EngineDesc``: engine key, host, port) and where to send
-notifications. Decoding is strict: a blob we cannot use raises ``PeerMetadataError``
+notifications (address and the receiver's key). Decoding is strict: a blob we cannot use raises ``PeerMetadataError``
 naming what is wrong, never a bare msgspec or pybind11 error.
 """
 
@@ -25,6 +25,10 @@ class AgentBlob(msgspec.Struct, array_like=True, frozen=True):
     engine_desc: bytes  # mori EngineDesc.pack()
     notify_address: str  # tcp://host:port of the agent's notification PULL socket
     transport: str  # "rdma" | "xgmi"
+    #: Key of the agent's notification receiver (kvtransport.notify); senders seal with it.
+    #: Last and defaulted so a blob from before authenticated notifications decodes and is
+    #: then refused at connect with a message saying so.
+    notify_key: bytes = b""
 
 
 _enc = msgspec.msgpack.Encoder()

@@ -44,11 +44,11 @@ def child():
 
 def _with_blob(metadata: bytes, **changes) -> bytes:
     """The same metadata with fields of the loopback blob (pid, start_time, boot_id,
-    notify_addr) changed."""
+    notify_addr, notify_key) changed."""
     m = md.decode_metadata(metadata)
-    pid, start, boot, addr = msgspec.msgpack.decode(m.blob)
-    fields = {**dict(pid=pid, start_time=start, boot_id=boot, notify_addr=addr), **changes}
-    blob = msgspec.msgpack.encode([fields["pid"], fields["start_time"], fields["boot_id"], fields["notify_addr"]])
+    names = ("pid", "start_time", "boot_id", "notify_addr", "notify_key")
+    fields = {**dict(zip(names, msgspec.msgpack.decode(m.blob))), **changes}
+    blob = msgspec.msgpack.encode([fields[k] for k in names])
     return md.encode_metadata(msgspec.structs.replace(m, blob=blob))
 
 

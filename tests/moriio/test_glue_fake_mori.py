@@ -248,8 +248,10 @@ def test_mori_failure_maps_to_failed_with_code_and_message_fake_mori(sides, fake
     assert res.state is PollState.FAILED and res.quiesced
     assert "ERR_RDMA_OP" in res.reason and "remote access error on qp 17" in res.reason and "'b'" in res.reason
     assert a.be.poll(h) == res  # terminal state is stable
-    time.sleep(0.05)
-    assert b.be.notifications() == []  # a failed transfer sends no notification
+    # A failed transfer sends no notification: a sentinel sent afterwards on the same
+    # socket is the first thing b receives.
+    a.be.send_notification(peer, b"sentinel")
+    assert wait_notifications(b.be) == [("a", b"sentinel")]
 
 
 def test_one_failed_pair_with_sibling_in_flight_is_not_quiesced_fake_mori(sides, fake_io):
@@ -440,15 +442,25 @@ def test_standalone_notification_and_malformed_input_fake_mori(sides):
     assert wait_notifications(b.be) == [("a", b"hello b")]
     import zmq
 
+    from kvtransport.auth import Authenticator
+    from kvtransport.notify import CHANNEL
+
+    # Unsealed input (what was accepted before notifications were authenticated) is
+    # refused; so is input sealed with b's key that does not decode. The last frame, on
+    # the same socket, is the sentinel: once it arrives every frame before it was handled.
+    seal = Authenticator(decode_agent_blob(b.be.export(), "b").notify_key, CHANNEL).seal
     s = zmq.Context.instance().socket(zmq.PUSH)
     s.connect(b.be.describe()["notify_address"])
     s.send(b"\xff\xfenot msgpack")
-    s.send(msgspec.msgpack.encode((7, "a", b"wrong version")))
-    s.send(msgspec.msgpack.encode((1, "a", b"good")))
+    s.send(msgspec.msgpack.encode((1, "a", b"unsealed, old format")))
+    s.send(seal(b"\xff\xfenot msgpack"))
+    s.send(seal(msgspec.msgpack.encode((7, "n", "a", b"wrong version"))))
+    s.send(seal(msgspec.msgpack.encode((1, "n", "a", b"good"))))
     got = wait_notifications(b.be)
     s.close(linger=0)
     assert got == [("a", b"good")]
-    assert b.be.describe()["malformed_notifications"] == 2
+    d = b.be.describe()
+    assert d["malformed_notifications"] == 2 and d["notification_refusals"] == 4
 
 
 def test_finished_transfers_are_not_tracked_forever_fake_mori(sides):

@@ -108,11 +108,12 @@ def test_closed_peer_fails_within_deadline():
     ra, rb = a.register(buf_a), b.register(buf_b)
     peer_b, _ = _connect(a, b)
     b.close()  # the peer goes away: its memory is deregistered, its engine gone
-    t0 = time.monotonic()
     t = a.read(peer_b, ra.segments([0], [BLOCK]), peer_b.region(rb.id).segments([0], [BLOCK]), timeout=5.0)
     st = t.wait(10)
     try:
+        # FAILED from wait(10) (a wait timeout returns PENDING); ended by mori's own failure
+        # report before the transfer's deadline, or at the latest by the core's deadline.
         assert st.state is kvt.State.FAILED, "read from a closed peer must not succeed"
-        assert time.monotonic() - t0 < 8.0
+        assert t.finished_at <= t.deadline or "deadline" in st.reason, st.reason
     finally:
         a.close()
