@@ -10,7 +10,9 @@ import pytest
 
 import kvtransport_vllm.side_channel as sc
 from harness import finish_reason, prompt_of
+from kvtransport_vllm.consumer import RecvState
 from kvtransport_vllm.messages import Done, Written
+from kvtransport_vllm.producer import HoldState
 from vllm.v1.request import RequestStatus
 
 POLICIES = ["recompute", "fail"]
@@ -270,11 +272,11 @@ def test_stale_write_hazard_consumer_keeps_blocks_until_producer_acks_cancel(pai
     params = pair.prefill("p1", prompt)
     t0 = _start(pair, prompt, params=params)
     w = pair.P.worker._worker
-    pair.run(lambda: any(h.write_state == "posted" for h in w._holds.values()))
+    pair.run(lambda: any(h.state is HoldState.POSTED for h in w._holds.values()))
     pair.run(lambda: time.monotonic() - t0 > 1.5)  # past the consumer's deadline
     assert pair.C.status("c1") == RequestStatus.WAITING_FOR_REMOTE_KVS  # blocks kept aside
-    assert pair.C.worker._worker._recv["c1"].state == "cancel"
-    assert any(h.write_state == "posted" for h in w._holds.values())  # write still in flight
+    assert pair.C.worker._worker._recv["c1"].state is RecvState.CANCEL
+    assert any(h.state is HoldState.POSTED for h in w._holds.values())  # write still in flight
     pair.run(lambda: pair.C.status("c1") != RequestStatus.WAITING_FOR_REMOTE_KVS)
     assert not w._holds  # producer's write ended before the consumer let go
     _outcome(pair, "c1", prompt, "recompute", t0, 4.0)

@@ -21,6 +21,7 @@ import pytest
 
 import kvtransport_vllm.side_channel as sc
 from harness import finish_reason, prompt_of
+from kvtransport_vllm.consumer import RecvState
 from kvtransport_vllm.messages import Hello, Renew
 from vllm.v1.request import RequestStatus
 
@@ -231,7 +232,7 @@ def test_stalled_consumer_lets_lease_lapse(pairs):
     t_hold = _hold_started(pair, "p1")
     pair.C.add("c1", prompt, 3, params)
     cw = pair.C.worker._worker
-    pair.run(lambda: any(r.state == "read" for r in cw._recv.values()))  # READ posted
+    pair.run(lambda: any(r.state is RecvState.READ for r in cw._recv.values()))  # READ posted
     # C is stalled: only P steps, past the lease
     pw = _producer_worker(pair)
     while any(h.req_id == "p1" for h in pw._holds.values()):

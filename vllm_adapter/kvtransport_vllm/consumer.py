@@ -1,0 +1,433 @@
+"""Consumer half of the worker: loads remote KV into the blocks vLLM allocated.
+
+Per request one :class:`Recv`, in the states of :class:`RecvState` (changed only under
+the worker lock; the side-channel thread reads them to answer "written")::
+
+    READ:  CONNECT --hand-shake ok--> READ: one batched READ (all layers) --DONE--> CONFIRM
+             "done with key?" --ok--> done_recving          (read, then confirm, under lease)
+                              --expired/stale/deadline--> load error + done_recving
+    WRITE: CONNECT --> WRITE_WAIT: "write into my blocks" --"written ok"--> done_recving
+             give up (deadline / abort / producer aborted / write failed) --> CANCEL until
+             the producer acks that no write can land any more --> load error
+
+The consumer's half of the stale-write invariant: **once a "write into my blocks" may
+have left (``write_requested`` is set before it is sent), the request reaches FINISHED,
+and so vLLM may reuse its blocks, only on the producer's word that its write has ended
+("written", or "acked" / "expired" for the Cancel), or when every process that could
+write is known gone (exited, or unreachable past its lease plus a transfer deadline)**.
+The producer keeps its side (no ack while its write is POSTING or POSTED, see
+:mod:`.producer`). READ mode: a failed READ finishes only once quiesced (T3).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import kvtransport as kvt
+
+from .context import WorkerContext
+from .kv_layout import block_segments, remote_layouts
+from .messages import Cancel, Done, Error, Hello, Msg, RecvJob, Release, Renew, Reply, Welcome, WriteReq, Written
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RecvState", "Recv", "PeerConn", "Consumer"]
+
+
+class RecvState(enum.Enum):
+    CONNECT = "connect"  # hand-shaking with the producer
+    READ = "read"  # READ posted
+    CONFIRM = "confirm"  # bytes read; asking the producer "done with key?"
+    WRITE_WAIT = "write_wait"  # asked the producer to write; waiting for "written"
+    CANCEL = "cancel"  # gave up after asking for a write: waiting for the producer's ack
+    FINISHED = "finished"  # reported to vLLM (done_recving); blocks may be reused
+
+
+#: states in which the consumer still wants the key: its lease is renewed
+_WANTS = (RecvState.CONNECT, RecvState.READ, RecvState.CONFIRM, RecvState.WRITE_WAIT)
+
+
+@dataclass
+class PeerConn:
+    """Our hand-shake with one producer worker (host, port of its side channel)."""
+
+    host: str
+    port: int
+    client: Any  # SideChannelClient
+    state: str = "new"  # new | hello | ready | failed
+    error: str = ""
+    kvt_peer: Any = None
+    layouts: list[kvt.BlockLayout] = field(default_factory=list)
+    hello_cid: int = 0
+    last_hello: float = 0.0
+    engine_name: str = ""  # the producer worker we hand-shook with
+
+
+@dataclass
+class Recv:
+    job: RecvJob
+    deadline: float
+    started: float
+    state: RecvState = RecvState.CONNECT
+    transfer: Any = None
+    cid: int = 0
+    last_sent: float = 0.0
+    error: str = ""
+    aborted: bool = False  # vLLM finished the request (abort) while loading
+    peer_aborted: bool = False
+    written: bool | None = None  # WRITE mode: producer's verdict
+    write_requested: bool = False
+    instance: str = ""  # READ mode: producer agent instance the bytes were read from
+    # WRITE mode: the producer processes our write requests reached (None: sent while the
+    # hand-shake was not complete, so the receiving process is unknown).
+    writers: list = field(default_factory=list)
+
+
+class Consumer:
+    """The loads of one worker and its hand-shakes with producers."""
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+        self.recv: dict[str, Recv] = {}  # req_id -> load
+        self.recv_by_key: dict[str, str] = {}  # key -> req_id
+        self.peers: dict[tuple[str, int], PeerConn] = {}
+        self.done_recving: set[str] = set()
+        self.failed_recving: set[str] = set()
+        self.load_errors: set[int] = set()
+        self._last_renew = 0.0
+
+    def _set(self, r: Recv, state: RecvState) -> None:
+        with self.ctx.lock:
+            r.state = state
+
+    # ------------------------------------------------------------------ engine thread
+    def add(self, jobs: list[RecvJob], now: float) -> None:
+        """New loads from the scheduler's metadata. Caller holds the lock."""
+        for job in jobs:
+            if job.req_id in self.recv:
+                continue
+            self.recv[job.req_id] = Recv(job, deadline=now + self.ctx.cfg.transfer_timeout_s, started=now)
+            self.recv_by_key[job.key] = job.req_id
+
+    def mark_aborted(self, req_ids: set[str] | frozenset[str]) -> None:
+        with self.ctx.lock:
+            for rid in req_ids:
+                r = self.recv.get(rid)
+                if r is not None and not r.aborted:
+                    r.aborted = True
+                    r.error = r.error or "request aborted"
+
+    def peer(self, host: str, port: int) -> PeerConn:
+        """Our connection to the producer worker of our rank (hand-shake sent if due)."""
+        port = port + self.ctx.tp_rank
+        p = self.peers.get((host, port))
+        if p is None:
+            p = self.peers[(host, port)] = PeerConn(host, port, self.ctx.new_client(host, port))
+        if p.state == "new" or (p.state == "hello" and time.monotonic() - p.last_hello > 1.0):
+            assert self.ctx.layout is not None
+            p.hello_cid = p.client.send(Hello(engine_id=self.ctx.name, tp_rank=self.ctx.tp_rank,
+                                              agent_md=self.ctx.agent_md, layout=self.ctx.layout,
+                                              reply_host=self.ctx.cfg.side_channel_host,
+                                              reply_port=self.ctx.port))
+            p.last_hello = time.monotonic()
+            p.state = "hello"
+        return p
+
+    def _on_welcome(self, p: PeerConn, msg: Welcome) -> None:
+        assert self.ctx.layout is not None
+        diff = self.ctx.layout.mismatch(msg.layout)
+        if diff:
+            p.state, p.error = "failed", (
+                f"KV layout mismatch with producer {msg.engine_id} at {p.host}:{p.port}: {diff}. "
+                "Both engines must serve the same model with the same dtype, block size and TP size."
+            )
+            log.error("%s", p.error)
+            return
+        try:
+            peer = self.ctx.agent.connect(msg.agent_md)
+        except kvt.errors.KVTransportError as exc:
+            p.state, p.error = "failed", f"cannot connect to {msg.engine_id}: {exc}"
+            log.error("%s", p.error)
+            return
+        try:
+            layouts = remote_layouts(peer, msg.layout)
+        except kvt.errors.KVTransportError as exc:
+            p.state, p.error = "failed", f"producer {msg.engine_id} declared an unusable layout: {exc}"
+            log.error("%s", p.error)
+            return
+        p.kvt_peer, p.layouts, p.state, p.error = peer, layouts, "ready", ""
+        p.engine_name = msg.engine_id
+
+    def poll_replies(self) -> list[Msg]:
+        """Take the hand-shake replies; return every other reply from producers."""
+        out: list[Msg] = []
+        for p in list(self.peers.values()):
+            for msg in p.client.poll():
+                if msg.cid == p.hello_cid and p.state == "hello":
+                    if isinstance(msg, Welcome):
+                        self._on_welcome(p, msg)
+                    elif isinstance(msg, Error):
+                        p.state, p.error = "failed", f"producer {p.host}:{p.port} refused hand-shake: {msg.message}"
+                        log.error("%s", p.error)
+                    continue
+                out.append(msg)
+        return out
+
+    def on_reply(self, msg: Msg) -> None:
+        """A producer's per-key answer to our Done / WriteReq / Cancel."""
+        if not isinstance(msg, Reply):
+            return
+        with self.ctx.lock:
+            for key, status in msg.status.items():
+                rid = self.recv_by_key.get(key)
+                r = self.recv.get(rid) if rid else None
+                if r is None or r.cid != msg.cid:
+                    continue  # late or duplicate reply: dropped (R3)
+                self._on_status(r, status)
+
+    def _on_status(self, r: Recv, status: str) -> None:
+        if r.state is RecvState.CONFIRM:
+            if status == "ok":
+                self._finish(r, ok=True)
+            elif status == "expired":
+                r.error = "producer lease expired before confirmation (stale read refused)"
+                self._finish(r, ok=False)
+            elif status == "stale":
+                # we read from a previous incarnation of the producer (restarted at this
+                # address): those bytes are not its; hand-shake again
+                r.error = "producer restarted since the hand-shake (stale read refused)"
+                self._reset_peer(r.job)
+                self._send_release(r.job)
+                self._finish(r, ok=False)
+            # "pending": the producer has not learnt of the key yet; resend later
+        elif r.state is RecvState.CANCEL and status in ("acked", "expired"):
+            self._finish(r, ok=False)  # the producer's word: no write can land any more
+        elif r.state is RecvState.WRITE_WAIT and status == "expired":
+            r.error = "producer no longer holds this request"
+            self._start_giving_up(r)
+        elif r.state is RecvState.WRITE_WAIT and status == "hello":
+            # the producer does not know us (it restarted): hand-shake again; the write
+            # request is re-sent until the deadline
+            self._reset_peer(r.job)
+            self.peer(r.job.host, r.job.port)
+
+    def advance(self, now: float) -> None:
+        with self.ctx.lock:
+            recvs = list(self.recv.values())
+        for r in recvs:
+            step = _STEPS.get(r.state)
+            if step is not None:
+                step(self, r, now, r.aborted or r.peer_aborted or now >= r.deadline)
+
+    def _advance_connect(self, r: Recv, now: float, gave_up: bool) -> None:
+        job = r.job
+        if gave_up:
+            r.error = r.error or ("producer aborted" if r.peer_aborted else "timed out before connecting")
+            self._start_giving_up(r)
+            return
+        p = self.peer(job.host, job.port)
+        if (p.state in ("ready", "failed") and job.remote_engine_id
+                and p.engine_name != f"{job.remote_engine_id}-tp{self.ctx.tp_rank}"):
+            # another producer now answers at this address (restarted): hand-shake again
+            p.state = "new"
+            p = self.peer(job.host, job.port)
+        if p.state == "failed":
+            r.error = p.error
+            self._start_giving_up(r)
+        elif p.state == "ready":
+            self._start(r, p, now)
+
+    def _advance_read(self, r: Recv, now: float, gave_up: bool) -> None:
+        st = r.transfer.status()
+        if st.state is kvt.State.PENDING:
+            return  # the core fails it by its deadline (T2)
+        if st.state is kvt.State.DONE:
+            self.ctx.stats["bytes"] += r.transfer.nbytes
+            if r.aborted:
+                self._send_release(r.job)
+                self._finish(r, ok=False)
+            else:
+                self._set(r, RecvState.CONFIRM)
+                self._send_confirm(r, now)
+        elif st.quiesced:  # FAILED; no late byte can land any more (T3)
+            r.error = f"read failed: {st.reason}"
+            self._reset_peer(r.job)
+            self._send_release(r.job)
+            self._finish(r, ok=False)
+
+    def _advance_confirm(self, r: Recv, now: float, gave_up: bool) -> None:
+        if gave_up:
+            r.error = r.error or "no confirmation from the producer before the deadline"
+            self._send_release(r.job)
+            self._finish(r, ok=False)
+        elif now - r.last_sent > 0.05:
+            self._send_confirm(r, now)
+
+    def _advance_write_wait(self, r: Recv, now: float, gave_up: bool) -> None:
+        if r.written is True:
+            self._finish(r, ok=True)
+        elif r.written is False or gave_up:
+            r.error = r.error or ("producer write failed" if r.written is False
+                                  else "write not received before the deadline")
+            self._start_giving_up(r)
+        elif now - r.last_sent > 0.5:
+            self._send_write_req(r, now)  # idempotent on the producer
+
+    def _advance_cancel(self, r: Recv, now: float, gave_up: bool) -> None:
+        if now - r.last_sent > 0.05:
+            self._send_cancel(r, now)
+        if self._writers_gone(r):
+            # Every process that could write into our blocks has exited: a dead process
+            # cannot write ("the producer is known gone").
+            r.error += "; producer process is gone: no write can land any more"
+            self._finish(r, ok=False)
+        elif now >= r.deadline + self.ctx.cfg.lease_s + self.ctx.cfg.transfer_timeout_s:
+            # Producer unreachable for longer than its lease plus a transfer deadline: it
+            # can no longer write into our blocks (it dropped the hold and any write it
+            # posted has ended). Known gone.
+            r.error += "; producer unreachable, considered gone"
+            self._finish(r, ok=False)
+
+    def _writers_gone(self, r: Recv) -> bool:
+        if not r.writers or any(w is None for w in r.writers):
+            return False
+        return all(self.ctx.agent.peer_alive(w) is False for w in r.writers)
+
+    def _start(self, r: Recv, p: PeerConn, now: float) -> None:
+        job = r.job
+        if job.mode == "write":
+            self._set(r, RecvState.WRITE_WAIT)
+            self._send_write_req(r, now)
+            return
+        local = block_segments(self.ctx.local_layouts, job.local_block_ids)
+        try:
+            remote = block_segments(p.layouts, job.remote_block_ids)
+            r.transfer = self.ctx.agent.read(p.kvt_peer, local, remote, timeout=max(0.001, r.deadline - now))
+            r.instance = p.kvt_peer.instance
+        except kvt.errors.KVTransportError as exc:
+            r.error = f"read refused: {exc}"
+            self._reset_peer(job)
+            self._send_release(job)
+            self._finish(r, ok=False)
+            return
+        self.ctx.stats["transfers"] += 1
+        self._set(r, RecvState.READ)
+
+    def _reset_peer(self, job: RecvJob) -> None:
+        """After a failed transfer, hand-shake again before the next one (the producer may
+        have restarted at the same address with new memory)."""
+        p = self.peers.get((job.host, job.port + self.ctx.tp_rank))
+        if p is not None and p.state == "ready":
+            p.state = "new"
+
+    def _send_confirm(self, r: Recv, now: float) -> None:
+        p = self.peer(r.job.host, r.job.port)
+        r.cid = p.client.send(Done(keys=[r.job.key], instance=r.instance))
+        r.last_sent = now
+
+    def _send_write_req(self, r: Recv, now: float) -> None:
+        p = self.peer(r.job.host, r.job.port)
+        writer = p.kvt_peer if p.state == "ready" else None
+        if not any(w is writer for w in r.writers):
+            r.writers.append(writer)
+        r.write_requested = True  # before it leaves: from now on only the producer frees us
+        r.cid = p.client.send(WriteReq(key=r.job.key, block_ids=list(r.job.local_block_ids),
+                                       engine_id=self.ctx.name, reply_host=self.ctx.cfg.side_channel_host,
+                                       reply_port=self.ctx.port))
+        r.last_sent = now
+
+    def _send_cancel(self, r: Recv, now: float) -> None:
+        p = self.peer(r.job.host, r.job.port)
+        r.cid = p.client.send(Cancel(keys=[r.job.key]))
+        r.last_sent = now
+
+    def _send_release(self, job: RecvJob) -> None:
+        self.peer(job.host, job.port).client.send(Release(keys=[job.key]))
+
+    def _start_giving_up(self, r: Recv) -> None:
+        """Stop waiting for ``r``. READ: tell the producer to free. WRITE: the producer
+        may still write into our blocks, so cancel and keep them until it acks."""
+        if r.job.mode == "write" and r.write_requested:
+            self._set(r, RecvState.CANCEL)
+            self._send_cancel(r, time.monotonic())
+        else:
+            self._send_release(r.job)
+            self._finish(r, ok=False)
+
+    def _finish(self, r: Recv, ok: bool) -> None:
+        """Report ``r`` to vLLM (done_recving): from here its blocks may be reused."""
+        with self.ctx.lock:
+            if r.state is RecvState.FINISHED:
+                return
+            r.state = RecvState.FINISHED
+            self.recv.pop(r.job.req_id, None)
+            self.recv_by_key.pop(r.job.key, None)
+            self.done_recving.add(r.job.req_id)
+            stats = self.ctx.stats
+            latency = time.monotonic() - r.started
+            if ok:
+                stats["loads_ok"] += 1
+                stats["latency_s_sum"] += latency
+                stats["latency_s_max"] = max(stats["latency_s_max"], latency)
+            else:
+                stats["failures"] += 1
+                if not r.aborted:
+                    self.failed_recving.add(r.job.req_id)
+                    self.load_errors.update(r.job.local_block_ids)
+                log.warning("kvtransport: load of request %s (key %s) failed: %s",
+                            r.job.req_id, r.job.key, r.error or "unknown")
+
+    def renew(self, now: float) -> None:
+        """Renew the producer's lease on every key we still want (lifecycle: a slow but
+        live consumer never loses its KV)."""
+        if now - self._last_renew < max(0.05, self.ctx.cfg.lease_s / 4):
+            return
+        self._last_renew = now
+        by_peer: dict[tuple[str, int], list[str]] = {}
+        with self.ctx.lock:
+            for r in self.recv.values():
+                if r.state in _WANTS:
+                    by_peer.setdefault((r.job.host, r.job.port), []).append(r.job.key)
+        for (host, port), keys in by_peer.items():
+            p = self.peers.get((host, port + self.ctx.tp_rank))
+            if p is not None:
+                p.client.send(Renew(keys=keys))
+
+    # ------------------------------------------------------------------ side-channel thread
+    # Called with the lock held.
+
+    def answer_written(self, msg: Written) -> str:
+        """The producer's write for ``msg.key`` has ended (ok or not)."""
+        rid = self.recv_by_key.get(msg.key)
+        r = self.recv.get(rid) if rid else None
+        if r is None or r.state not in (RecvState.WRITE_WAIT, RecvState.CANCEL):
+            return "unknown"  # late / duplicate: dropped (R3)
+        r.written = msg.ok
+        if r.state is RecvState.WRITE_WAIT and not msg.ok:
+            r.error = f"producer write failed: {msg.reason}"
+        # in CANCEL: the write has ended, so nothing more can land; the producer acks
+        # our next Cancel
+        return "ok"
+
+    def answer_peer_aborted(self, key: str) -> bool:
+        """The producer aborted the request behind ``key``; False if it is not ours."""
+        rid = self.recv_by_key.get(key)
+        r = self.recv.get(rid) if rid else None
+        if r is None:
+            return False
+        r.peer_aborted = True
+        r.error = "producer aborted the request"
+        return True
+
+
+_STEPS = {
+    RecvState.CONNECT: Consumer._advance_connect,
+    RecvState.READ: Consumer._advance_read,
+    RecvState.CONFIRM: Consumer._advance_confirm,
+    RecvState.WRITE_WAIT: Consumer._advance_write_wait,
+    RecvState.CANCEL: Consumer._advance_cancel,
+}

@@ -1,0 +1,57 @@
+"""What the worker's consumer, producer and side-channel handlers share.
+
+One :class:`WorkerContext` per worker: its configuration and identity, the kvtransport
+agent and our layout (set when the KV caches are registered), the statistics counters,
+the side-channel clients to reply addresses, and the one lock. That lock guards every
+table the side-channel server thread reads or writes (holds, receives, ended keys,
+consumer hand-shakes) and every state change of a hold or a receive, so the server
+thread and the engine thread always see one state machine, never a half-made change.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import kvtransport as kvt
+from kvtransport.auth import Authenticator
+
+from .config import ConnectorConfig
+from .messages import LayoutInfo
+from .side_channel import SideChannelClient
+
+__all__ = ["WorkerContext", "new_stats"]
+
+
+def new_stats() -> dict[str, Any]:
+    """Counters since the last ``take_stats`` (see :mod:`.stats` for their meaning)."""
+    return {"bytes": 0, "transfers": 0, "failures": 0, "loads_ok": 0, "leases_expired": 0,
+            "latency_s_sum": 0.0, "latency_s_max": 0.0}
+
+
+@dataclass
+class WorkerContext:
+    cfg: ConnectorConfig
+    name: str  # this worker's engine name on the side channel ("<engine_id>-tp<rank>")
+    port: int  # our side-channel port (base + TP rank)
+    tp_rank: int
+    auth: Authenticator | None
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    stats: dict[str, Any] = field(default_factory=new_stats)
+    agent: Any = None
+    layout: LayoutInfo | None = None
+    local_layouts: list[kvt.BlockLayout] = field(default_factory=list)
+    agent_md: bytes = b""
+    #: clients to the reply addresses peers gave us (Written, notices), by (host, port)
+    reply_clients: dict[tuple[str, int], SideChannelClient] = field(default_factory=dict)
+
+    def new_client(self, host: str, port: int) -> SideChannelClient:
+        return SideChannelClient(host, port, auth=self.auth, max_message_bytes=self.cfg.max_message_bytes)
+
+    def client_to(self, host: str, port: int) -> SideChannelClient:
+        """The (cached) client to a peer's reply address. Engine thread only."""
+        c = self.reply_clients.get((host, port))
+        if c is None:
+            c = self.reply_clients[(host, port)] = self.new_client(host, port)
+        return c

@@ -1,0 +1,107 @@
+"""How a worker's paged KV cache tensors are described as kvtransport block layouts.
+
+vLLM hands the connector one tensor per attention layer; the transport moves byte ranges.
+This module turns each tensor into parts (one, or two for a K/V split) of ``num_blocks``
+equally strided blocks, both for our own tensors (:func:`describe_kv_caches`,
+:func:`local_layouts`) and for a peer's, from the :class:`~.messages.LayoutInfo` it sent
+in the hand-shake (:func:`remote_layouts`). Anything that is not one dense byte range per
+block is refused with a message instead of guessed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import kvtransport as kvt
+
+from .messages import LayoutInfo
+
+__all__ = ["KVLayoutError", "LayerMem", "describe_kv_caches", "check_uniform", "remote_layouts", "block_segments"]
+
+
+class KVLayoutError(ValueError):
+    """The KV cache tensors cannot be described as paged blocks, or the peer's differ."""
+
+
+@dataclass
+class LayerMem:
+    """One layer's KV cache tensor as memory: where it is and how its blocks are laid out."""
+
+    tensor: Any
+    addr: int
+    nbytes: int
+    bases: list[int]  # byte offset of each part (1: blocks first; 2: K/V halves first)
+    block_bytes: int
+    block_stride: int
+
+
+def describe_kv_caches(kv_caches: dict[str, Any], num_blocks: int) -> list[LayerMem]:
+    """Describe each layer's paged cache as parts of ``num_blocks`` blocks.
+
+    Works from sizes and strides, so permuted views (vLLM allocates a raw buffer and
+    views it in the attention backend's stride order) are handled. The block dimension
+    is the outermost dimension of size ``num_blocks``; a dimension of size 2 with a larger
+    stride is a K/V split (two parts). Within a part, one block must be one dense byte
+    range; anything else is refused with a message instead of guessing.
+    """
+    out = []
+    for name, t in kv_caches.items():
+        item = t.element_size()
+        sizes, strides = list(t.shape), list(t.stride())
+        cands = [d for d, n in enumerate(sizes) if n == num_blocks]
+        if not cands:
+            raise KVLayoutError(f"KV cache of layer {name} has shape {tuple(sizes)}: no dimension of "
+                                f"num_blocks={num_blocks}")
+        bd = max(cands, key=lambda d: strides[d])
+        split = [d for d, n in enumerate(sizes) if n == 2 and strides[d] > strides[bd] and d != bd]
+        inner = [d for d in range(len(sizes)) if d != bd and d not in split[:1]]
+        if any(strides[d] > strides[bd] for d in inner):
+            raise KVLayoutError(f"KV cache of layer {name} (shape {tuple(sizes)}, strides {tuple(strides)}) "
+                                "does not keep each block in one byte range")
+        per_block = 1
+        for d in inner:
+            per_block *= sizes[d]
+        if per_block != strides[bd]:
+            raise KVLayoutError(f"KV cache of layer {name} (shape {tuple(sizes)}, strides {tuple(strides)}) "
+                                "has gaps inside a block")
+        bases = [0] if not split else [0, strides[split[0]] * item]
+        span = 1 + sum((n - 1) * st for n, st in zip(sizes, strides))
+        out.append(LayerMem(t, int(t.data_ptr()), span * item, bases, per_block * item, strides[bd] * item))
+    return out
+
+
+def check_uniform(layers: list[LayerMem]) -> None:
+    """Every layer must share one block layout: one LayoutInfo describes them all."""
+    parts, bb = len(layers[0].bases), layers[0].block_bytes
+    for lm in layers:
+        if len(lm.bases) != parts or lm.block_bytes != bb:
+            raise KVLayoutError("all attention layers must share one KV layout (block bytes, K/V split)")
+
+
+def _num_blocks_of(region_len: int, stride: int, regions: list[tuple[int, int]], block_bytes: int) -> int:
+    """How many blocks fit the peer's region after the largest part base."""
+    base = max(b for _, b in regions)
+    return max(1, (region_len - base - block_bytes) // stride + 1)
+
+
+def remote_layouts(peer: Any, layout: LayoutInfo) -> list[kvt.BlockLayout]:
+    """The peer's layers as block layouts over its exported regions (raises the core's
+    typed errors when the layout names regions the peer did not export)."""
+    out = []
+    for regions, stride in zip(layout.part_regions, layout.block_stride):
+        parts = [(peer.region(rid), base) for rid, base in regions]
+        out.append(kvt.BlockLayout(parts, layout.block_bytes,
+                                   _num_blocks_of(peer.region(regions[0][0]).length, stride, regions,
+                                                  layout.block_bytes),
+                                   stride))
+    return out
+
+
+def block_segments(layouts: list[kvt.BlockLayout], block_ids: list[int]) -> kvt.Segments:
+    """The byte ranges of ``block_ids`` in every layer and part, in one Segments (no
+    Python loop per block: each layout maps the whole id array at once)."""
+    ids = np.asarray(block_ids, np.int64)
+    return kvt.Segments.concat([lay.segments(ids) for lay in layouts])

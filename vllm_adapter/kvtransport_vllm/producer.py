@@ -1,0 +1,321 @@
+"""Producer half of the worker: holds finished prefills' blocks for a consumer.
+
+Per finished prefill one :class:`Hold`: its blocks stay out of vLLM's hands under a lease
+that any consumer message for the key renews. READ mode: the consumer reads, then says
+"done" inside the lease (-> ok, blocks freed) or after it (-> expired); lease lapse or
+"release" also frees. WRITE mode: once both the hold and the consumer's block ids (and
+its hand-shake) exist, one batched WRITE, then "written" to the consumer until it acks.
+
+Hold states (:class:`HoldState`), changed only under the worker lock::
+
+    HELD --consumer's blocks known--> POSTING --agent.write returned--> POSTED
+      |                                  |  (refused: straight to NOTIFY;      |
+      |                                  |   hand-shake not seen: back to HELD) |
+      |                                  v                                      v
+      |                               NOTIFY <--------- write ended and quiesced
+      v                                  |
+    ended (blocks back to vLLM: done_sending) <--consumer acked / lease lapsed
+
+The invariant that keeps a write out of freed blocks (issue 12, point 1): **a hold whose
+write may be in flight (POSTING or POSTED) is never ended and never acknowledged**.
+The engine thread moves HELD -> POSTING *before* it releases the lock to call
+``agent.write`` (a backend may work inside ``post`` for milliseconds: UCX drives its
+worker there), so a Cancel / Release / Aborted / Done / lease lapse handled meanwhile by
+the side-channel thread sees POSTING, answers "pending" and keeps the hold; the consumer
+keeps its blocks until a later Cancel, after the write has ended (NOTIFY), is acked.
+:meth:`Producer.end_hold` refuses to end an in-flight hold, so no path can break it.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import kvtransport as kvt
+
+from .context import WorkerContext
+from .kv_layout import block_segments, remote_layouts
+from .messages import Hello, HoldJob, LayoutInfo, Msg, Reply, WriteReq, Written
+
+log = logging.getLogger(__name__)
+
+__all__ = ["HoldState", "Hold", "Producer"]
+
+_RECENT = 65536  # remembered ended keys (late messages answered "expired", not "pending")
+
+#: (consumer engine, its block ids, its reply host, its reply port)
+Dest = tuple[str, list[int], str, int]
+
+
+class HoldState(enum.Enum):
+    HELD = "held"  # blocks kept for the consumer; no write (READ mode: always)
+    POSTING = "posting"  # WRITE: the engine thread is inside agent.write, lock released
+    POSTED = "posted"  # WRITE: the write is in flight (or failed, not yet quiesced: T3)
+    NOTIFY = "notify"  # WRITE: the write has ended; "written" sent until the consumer acks
+
+
+@dataclass
+class Hold:
+    req_id: str
+    key: str
+    block_ids: list[int]
+    expiry: float
+    dest: Dest | None = None
+    state: HoldState = HoldState.HELD
+    write: Any = None
+    write_ok: bool = False
+    write_reason: str = ""
+    notify_cid: int = 0
+    last_sent: float = 0.0
+
+    @property
+    def write_in_flight(self) -> bool:
+        """A write may still land in the consumer's blocks (and reads ours)."""
+        return self.state in (HoldState.POSTING, HoldState.POSTED)
+
+
+class Producer:
+    """The holds of one worker and the side-channel answers about them."""
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+        self.holds: dict[str, Hold] = {}  # key -> hold
+        self.ended: OrderedDict[str, str] = OrderedDict()  # key -> why (done|expired|released|aborted)
+        #: WriteReq that came before the hold (messages race the scheduler's metadata)
+        self.early_dest: dict[str, tuple[Dest, float]] = {}
+        self.consumer_md: dict[str, bytes] = {}  # consumer engine name -> agent metadata
+        self.consumer_peers: dict[str, Any] = {}
+        self.consumer_layouts: dict[str, LayoutInfo] = {}
+        self.done_sending: set[str] = set()
+
+    # ------------------------------------------------------------------ engine thread
+    def add(self, jobs: list[HoldJob], now: float) -> None:
+        """New holds from the scheduler's metadata. Caller holds the lock."""
+        for j in jobs:
+            if j.key in self.ended:  # consumer released / cancelled before we learnt of it
+                self.done_sending.add(j.req_id)
+                continue
+            hold = Hold(j.req_id, j.key, list(j.block_ids), expiry=now + self.ctx.cfg.lease_s)
+            early = self.early_dest.pop(j.key, None)
+            if early is not None:
+                hold.dest = early[0]
+            self.holds[j.key] = hold
+
+    def note_aborted(self, key: str) -> None:
+        """Our request behind ``key`` was aborted: later "write into" / "done" for it are
+        answered "expired", not "pending". Caller holds the lock."""
+        self.ended[key] = "aborted"
+        self.early_dest.pop(key, None)
+
+    def end_hold(self, h: Hold, why: str) -> bool:
+        """Give the blocks back to vLLM (done_sending). Caller holds the lock. Refused
+        (False) while a write may be in flight: the invariant of this module."""
+        if h.write_in_flight:
+            return False
+        self.holds.pop(h.key, None)
+        self.ended[h.key] = why
+        while len(self.ended) > _RECENT:
+            self.ended.popitem(last=False)
+        self.done_sending.add(h.req_id)
+        if why == "expired":
+            self.ctx.stats["leases_expired"] += 1
+        return True
+
+    def advance(self, now: float) -> None:
+        with self.ctx.lock:
+            holds = list(self.holds.values())
+            for key, (_, exp) in list(self.early_dest.items()):
+                if now >= exp:
+                    del self.early_dest[key]
+        for h in holds:
+            self._advance(h, now)
+
+    def _advance(self, h: Hold, now: float) -> None:
+        with self.ctx.lock:
+            if h.key not in self.holds:
+                return
+            state = h.state
+        if state is HoldState.POSTED:
+            if not self._write_ended(h):
+                return
+            state = HoldState.NOTIFY
+        if state is HoldState.NOTIFY:
+            if now - h.last_sent > 0.05:
+                _, _, host, port = h.dest  # type: ignore[misc]
+                h.notify_cid = self.ctx.client_to(host, port).send(
+                    Written(key=h.key, ok=h.write_ok, reason=h.write_reason))
+                h.last_sent = now
+            with self.ctx.lock:
+                if now >= h.expiry and h.key in self.holds:  # consumer never acked: gone
+                    self.end_hold(h, "expired")
+            return
+        with self.ctx.lock:
+            if h.key not in self.holds or h.state is not HoldState.HELD:
+                return
+            if now >= h.expiry:
+                self.end_hold(h, "expired")
+                return
+            if h.dest is None:
+                return
+            dest = h.dest
+            h.state = HoldState.POSTING  # before the lock is released (module invariant)
+        self._post_write(h, dest)
+
+    def _write_ended(self, h: Hold) -> bool:
+        """POSTED -> NOTIFY once the write has ended and nothing more can land (T3)."""
+        st = h.write.status()  # outside the lock: polling may drive the backend
+        if st.state is kvt.State.PENDING:
+            return False
+        if st.state is kvt.State.FAILED and not st.quiesced:
+            return False  # keep the blocks aside until nothing more can land (T3)
+        ok = st.state is kvt.State.DONE
+        with self.ctx.lock:
+            if ok:
+                self.ctx.stats["bytes"] += h.write.nbytes
+            else:
+                self.ctx.stats["failures"] += 1
+            h.state, h.write_ok, h.write_reason, h.last_sent = HoldState.NOTIFY, ok, st.reason, 0.0
+        return True
+
+    def _post_write(self, h: Hold, dest: Dest) -> None:
+        """Called in POSTING, without the lock; leaves the hold POSTED, NOTIFY (refused)
+        or HELD (nothing posted: the consumer's hand-shake has not arrived yet)."""
+        engine, dst_blocks, _, _ = dest
+        n_src = len(h.block_ids)
+        src_blocks = h.block_ids[n_src - len(dst_blocks):] if len(dst_blocks) <= n_src else None
+        next_state, fail, write = HoldState.NOTIFY, "", None
+        try:
+            if src_blocks is None:
+                fail = f"consumer asked for {len(dst_blocks)} blocks, producer has {n_src}"
+            else:
+                write, next_state = self._write(engine, dst_blocks, src_blocks)
+        except kvt.errors.KVTransportError as exc:
+            fail = f"write refused: {exc}"
+        except BaseException:
+            with self.ctx.lock:  # nothing was posted (the agent fails backend errors itself)
+                h.state = HoldState.HELD
+            raise
+        with self.ctx.lock:
+            h.state = next_state
+            if next_state is HoldState.POSTED:
+                h.write = write
+                self.ctx.stats["transfers"] += 1
+            elif next_state is HoldState.NOTIFY:
+                h.write_ok, h.write_reason, h.last_sent = False, fail, 0.0
+
+    def _write(self, engine: str, dst_blocks: list[int], src_blocks: list[int]) -> tuple[Any, HoldState]:
+        peer = self.consumer_peers.get(engine)
+        if peer is None:
+            md = self.consumer_md.get(engine)
+            if md is None:
+                return None, HoldState.HELD  # hand-shake not seen yet (messages race); next step
+            peer = self.ctx.agent.connect(md)
+            self.consumer_peers[engine] = peer
+        remote = block_segments(remote_layouts(peer, self.consumer_layouts[engine]), dst_blocks)
+        local = block_segments(self.ctx.local_layouts, src_blocks)
+        return (self.ctx.agent.write(peer, local, remote, timeout=self.ctx.cfg.transfer_timeout_s),
+                HoldState.POSTED)
+
+    def poll_replies(self) -> list[Msg]:
+        """Replies on our clients to consumers' reply addresses (engine thread)."""
+        out: list[Msg] = []
+        for c in self.ctx.reply_clients.values():
+            out += c.poll()
+        return out
+
+    def on_reply(self, msg: Msg) -> None:
+        """The consumer's answer to "written": acked ("ok") or no longer wanted
+        ("unknown"): free either way (the write has ended: NOTIFY)."""
+        if not isinstance(msg, Reply):
+            return
+        with self.ctx.lock:
+            for key, status in msg.status.items():
+                h = self.holds.get(key)
+                if h is None or h.state is not HoldState.NOTIFY or h.notify_cid != msg.cid:
+                    continue
+                self.end_hold(h, "done" if status == "ok" else "released")
+
+    # ------------------------------------------------------------------ side-channel thread
+    # Each answer_* is called with the lock held, per key, and returns the key's status.
+
+    def on_hello(self, msg: Hello) -> None:
+        self.consumer_md[msg.engine_id] = msg.agent_md
+        self.consumer_peers.pop(msg.engine_id, None)  # restarted consumer: reconnect
+        self.consumer_layouts[msg.engine_id] = msg.layout
+
+    def _unknown(self, key: str, give_up: bool, done: bool) -> str:
+        """Status for a key we hold nothing for."""
+        why = self.ended.get(key)
+        if why is None and give_up:
+            # before we learnt of the key: remember, free on arrival
+            self.ended[key] = "released"
+            self.early_dest.pop(key, None)
+            return "acked"
+        if why is None:
+            return "pending"
+        if give_up:
+            return "acked"
+        return "ok" if (why == "done" and done) else "expired"
+
+    def _lapsed(self, h: Hold, now: float) -> bool:
+        """End a hold whose lease ran out (never one with a write in flight or ended)."""
+        return now >= h.expiry and h.state is HoldState.HELD and self.end_hold(h, "expired")
+
+    def answer_done(self, key: str, instance: str, now: float) -> str:
+        h = self.holds.get(key)
+        if h is None:
+            return self._unknown(key, give_up=False, done=True)
+        if self._lapsed(h, now):
+            return "expired"
+        if instance and instance != self.ctx.agent.instance:
+            return "stale"  # read from our previous incarnation's memory
+        if not self.end_hold(h, "done"):
+            return "pending"  # a write of ours is in flight for this key
+        return "ok"
+
+    def answer_renew(self, key: str, now: float) -> str:
+        h = self.holds.get(key)
+        if h is None:
+            return self._unknown(key, give_up=False, done=False)
+        if self._lapsed(h, now):
+            return "expired"
+        h.expiry = now + self.ctx.cfg.lease_s
+        return "ok"
+
+    def answer_give_up(self, key: str, now: float) -> str:
+        """Release (READ) / Cancel (WRITE): "acked" means no write can land any more."""
+        h = self.holds.get(key)
+        if h is None:
+            return self._unknown(key, give_up=True, done=False)
+        if self._lapsed(h, now) or self.end_hold(h, "released"):
+            return "acked"
+        return "pending"  # POSTING / POSTED: no ack until the write has ended
+
+    def answer_aborted(self, key: str) -> None:
+        h = self.holds.get(key)
+        if h is not None:
+            self.end_hold(h, "released")  # refused while a write is in flight
+
+    def answer_write_req(self, msg: WriteReq, now: float) -> str:
+        dest: Dest = (msg.engine_id, list(msg.block_ids), msg.reply_host, msg.reply_port)
+        lease = now + self.ctx.cfg.lease_s
+        h = self.holds.get(msg.key)
+        if msg.engine_id not in self.consumer_md and msg.key not in self.ended:
+            # we cannot write to a consumer we never hand-shook with (we restarted)
+            if h is not None and h.dest is None:
+                h.dest, h.expiry = dest, lease
+            elif h is None:
+                self.early_dest[msg.key] = (dest, lease)
+            return "hello"
+        if h is not None:
+            if h.dest is None:
+                h.dest = dest
+            h.expiry = lease
+            return "ok"
+        if msg.key in self.ended:
+            return "expired"
+        self.early_dest[msg.key] = (dest, lease)
+        return "pending"
