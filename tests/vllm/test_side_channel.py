@@ -2,6 +2,11 @@
 wrong-version, unauthenticated, replayed and oversized input is refused and never reaches
 the handler (lifecycle.md section 5)."""
 
+import hashlib
+import hmac
+import itertools
+import os
+import struct
 import time
 
 import msgspec
@@ -181,3 +186,135 @@ def test_explicitly_open_server_accepts_plain_messages():
 def test_unknown_tag_is_a_decode_error():
     with pytest.raises(msgspec.ValidationError):
         decode(msgspec.msgpack.encode({"t": "launch_missiles"}))
+
+
+# ----------------------------------------------------------------------------- reply binding
+
+
+class _Mitm:
+    """An active attacker on the path: a ROUTER the client connects to, forwarding each
+    request to the real server and choosing which frames the client gets back."""
+
+    def __init__(self, server_port: int):
+        ctx = zmq.Context.instance()
+        self.front = ctx.socket(zmq.ROUTER)
+        self.front.setsockopt(zmq.LINGER, 0)
+        self.port = self.front.bind_to_random_port("tcp://127.0.0.1")
+        self.back = ctx.socket(zmq.DEALER)
+        self.back.setsockopt(zmq.LINGER, 0)
+        self.back.connect(f"tcp://127.0.0.1:{server_port}")
+        self.ident = b""
+
+    def relay_request(self, timeout=5.0) -> bytes:
+        """Take one request from the client, forward it, return the server's raw reply."""
+        assert self.front.poll(int(timeout * 1000)), "no request from the client"
+        self.ident, frame = self.front.recv_multipart()
+        self.back.send(frame)
+        assert self.back.poll(int(timeout * 1000)), "no reply from the server"
+        return self.back.recv()
+
+    def deliver(self, *frames: bytes) -> None:
+        for f in frames:
+            self.front.send_multipart([self.ident, f])
+
+    def close(self):
+        self.front.close(0)
+        self.back.close(0)
+
+
+def _poll_until(client, n_accepted: int, n_refused: int, timeout=5.0) -> list:
+    """Poll until ``n_accepted`` replies were accepted and ``n_refused`` refused (frames of
+    one connection arrive in order: when the last delivered frame is accounted for, every
+    earlier one is)."""
+    got: list = []
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got += client.poll()
+        if len(got) >= n_accepted and client.counters["auth"] >= n_refused:
+            break
+        time.sleep(0.002)
+    return got
+
+
+@pytest.fixture
+def mitm(server):
+    m = _Mitm(server[0])
+    yield m
+    m.close()
+
+
+def test_reply_to_another_request_is_refused_and_counted(server, mitm, monkeypatch):
+    """A reply captured from another client's request N (same cid, as a second process
+    would use) is refused as the answer to this client's request M, and counted; M's own
+    reply is then accepted. Control: the captured reply is authentic and carries M's cid,
+    so a client that matched replies by cid alone would have taken it."""
+    port, srv, seen = server
+    # Request N: another process's client (own authenticator, own replay memory).
+    other = _auth()
+    req_n = other.seal(encode(Renew(keys=["n"], cid=500)), "req")
+    reply_n = _raw(port, req_n)
+    assert isinstance(decode(other.open(reply_n, "rep", request_nonce=Authenticator.nonce_of(req_n))), Reply)
+
+    monkeypatch.setattr(SideChannelClient, "_cids", itertools.count(500))
+    c = SideChannelClient("127.0.0.1", mitm.port, auth=_auth())
+    try:
+        assert c.send(Renew(keys=["m"])) == 500
+        reply_m = mitm.relay_request()
+        mitm.deliver(reply_n, reply_m)  # the attacker's answer first
+        got = _poll_until(c, 1, 1)
+        assert [(type(r), r.cid, r.status) for r in got] == [(Reply, 500, {"m": "ok"})]
+        assert c.counters["misbound"] == 1 and c.counters["auth"] == 1 and c.pending == 0
+        # The same reply again, now that M is answered: refused too.
+        mitm.deliver(reply_m)
+        assert _poll_until(c, 0, 2) == [] and c.counters["auth"] == 2
+    finally:
+        c.close()
+    control = decode(_auth().open(reply_n, "rep"))
+    assert isinstance(control, Reply) and control.cid == 500  # what a cid-only match accepts
+    assert [m.keys for m in seen] == [["n"], ["m"]]
+
+
+def test_tampered_reply_refused_and_the_genuine_one_still_accepted(server, mitm):
+    """A reply whose ciphertext was altered is refused (and does not cancel the request:
+    the genuine reply delivered after it is accepted)."""
+    port, srv, seen = server
+    c = SideChannelClient("127.0.0.1", mitm.port, auth=_auth())
+    try:
+        cid = c.send(Done(keys=["t"]))
+        genuine = mitm.relay_request()
+        tampered = genuine[:-20] + bytes([genuine[-20] ^ 0x40]) + genuine[-19:]
+        mitm.deliver(tampered, genuine)
+        got = _poll_until(c, 1, 1)
+        assert [(r.cid, r.status) for r in got] == [(cid, {"t": "ok"})]
+        assert c.counters["auth"] == 1 and c.counters["misbound"] == 0 and c.pending == 0
+    finally:
+        c.close()
+
+
+def test_pending_requests_are_bounded(server):
+    """At most ``max_pending`` unanswered requests are remembered: a reply to one that was
+    forgotten is refused and counted, the others are accepted."""
+    port, srv, seen = server
+    c = SideChannelClient("127.0.0.1", port, auth=_auth(), max_pending=4)
+    try:
+        cids = [c.send(Renew(keys=[f"b{i}"])) for i in range(10)]
+        assert c.pending == 4
+        got = _poll_until(c, 4, 6)
+        assert sorted(r.cid for r in got) == cids[-4:]
+        assert c.counters["misbound"] == 6 and c.pending == 0
+    finally:
+        c.close()
+
+
+def test_old_format_request_refused_with_a_clear_message(server):
+    """A peer still sealing with the previous framing (KVTA1: HMAC only, metadata in the
+    clear) gets an unsealed refusal naming the fix; the handler never sees it."""
+    port, srv, seen = server
+    key = hashlib.sha256(b"kvtransport-auth-v1|" + SECRET).digest()
+    body, ts, nonce = encode(Renew(keys=["old"])), int(time.time() * 1000), os.urandom(16)
+    mac = hmac.new(key, AUTH_CHANNEL.encode() + b"|req|" + struct.pack(">Q", ts) + nonce + body,
+                   hashlib.sha256).digest()
+    r = decode(_raw(port, struct.pack(">5sQ16s32s", b"KVTA1", ts, nonce, mac) + body))
+    assert isinstance(r, Error) and r.code == "auth"
+    assert "KVTA1" in r.message and "same kvtransport version" in r.message
+    assert not seen and srv.counters["auth"] == 1
