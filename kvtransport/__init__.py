@@ -21,7 +21,7 @@ from .memory import MemoryRegion, RemoteMemoryRegion
 from .registry import BackendInfo, available_backends, installed_backends
 from .segments import BlockLayout, Segments, merge_pairs
 from .spi import Op
-from .transfer import State, Transfer, TransferStatus
+from .transfer import PreparedTransfer, State, Transfer, TransferOwner, TransferStatus
 
 __version__ = "0.1.0"
 
@@ -30,7 +30,7 @@ open = open_agent  # noqa: A001 - the public name mirrors the builtin on purpose
 
 __all__ = [
     "Agent", "AgentConfig", "BackendInfo", "BlockLayout", "FaultPlan", "MemoryRegion",
-    "Notification", "Op", "Peer", "RemoteMemoryRegion", "Segments", "State", "Transfer",
-    "TransferStatus", "available_backends", "errors", "installed_backends", "merge_pairs",
-    "open", "open_agent",
+    "Notification", "Op", "Peer", "PreparedTransfer", "RemoteMemoryRegion", "Segments", "State",
+    "Transfer", "TransferOwner", "TransferStatus", "available_backends", "errors",
+    "installed_backends", "merge_pairs", "open", "open_agent",
 ]

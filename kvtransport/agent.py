@@ -9,11 +9,18 @@ An :class:`Agent` owns one backend instance and adds what must hold for all of t
 * deadlines (T2): polling fails a transfer whose deadline passed even if the backend
   is silent, then cancels it in the backend and tracks quiescence (T3);
 * exactly-once completion (T1): :meth:`Agent.progress` reports each transfer that
-  became terminal once;
+  became terminal at most once, and holds none the caller has already seen end
+  (bounded memory; see :class:`~kvtransport.transfer.FinishedTransfers`);
+* prepared transfers (:meth:`Agent.prepare` once, :meth:`Agent.post` many times);
+* typed errors only: whatever a backend raises reaches the caller as a
+  :mod:`kvtransport.errors` type naming the problem and the fix;
 * metrics and fault injection.
 
 Progress is driven by the caller (``Transfer.status/wait``, ``Agent.progress``), as in
-NIXL's agent; backends that need background progress run their own thread.
+NIXL's agent; backends that need background progress run their own thread. A
+:class:`~kvtransport.transfer.Transfer` reaches its agent only through the small
+:class:`~kvtransport.transfer.TransferOwner` protocol (implemented here by
+``_TransferOwner``), and the agent changes a Transfer only through its owner side.
 """
 
 from __future__ import annotations
@@ -40,18 +47,21 @@ from .errors import (
     InvalidSegmentsError,
     KVTransportError,
     LayoutMismatchError,
+    NotificationError,
     PeerMetadataError,
+    StalePreparedTransferError,
     UnknownPeerError,
     UnregisteredMemoryError,
+    UnsupportedOperationError,
 )
 from .faults import FaultInjectingBackend, FaultPlan, plan_from_options
 from .memory import MemoryRegion, RemoteMemoryRegion, describe_buffer
 from .registry import load_backend_class, probe_class
 from .segments import Segments, merge_pairs
 from .spi import Backend, LocalRegion, Op, PollState, PostRequest, RemoteRegion
-from .transfer import State, Transfer, TransferStatus
+from .transfer import FinishedTransfers, PreparedTransfer, State, Transfer, TransferStatus
 
-__all__ = ["AgentConfig", "Agent", "Peer", "Notification", "open_agent"]
+__all__ = ["AgentConfig", "Agent", "Peer", "Notification", "PreparedTransfer", "open_agent"]
 
 _U64 = np.uint64
 
@@ -69,6 +79,11 @@ class AgentConfig:
     faults: FaultPlan | None = None
     #: Latency samples kept for percentiles.
     latency_window: int = 4096
+    #: Finished transfers whose end a ``status()``/``wait()`` already returned are held
+    #: for :meth:`Agent.progress` only weakly; the latest ``progress_window`` of them are
+    #: held strongly too, so a caller who waits, drops the handle and drains ``progress()``
+    #: soon after still sees them. Memory stays bounded either way.
+    progress_window: int = 1024
 
 
 @dataclass(frozen=True)
@@ -185,9 +200,16 @@ class Agent:
         self._regions: dict[int, tuple[MemoryRegion, bytes]] = {}
         self._local_index = _RegionIndex(np.empty(0, np.int64), np.empty(0, _U64), np.empty(0, _U64))
         self._peers: dict[str, Peer] = {}
+        # Bumped by every deregister: a PreparedTransfer made at another generation
+        # re-checks that its local regions are still registered.
+        self._regions_gen = 0
+        # Per-transfer state, each entry removed when the transfer leaves that state:
+        # pending until terminal, unquiesced until the backend promises nothing lands,
+        # finished until progress() returns it or the caller has seen it end.
         self._pending: dict[int, Transfer] = {}
         self._unquiesced: dict[int, Transfer] = {}
-        self._completed: deque[Transfer] = deque()
+        self._finished = FinishedTransfers(config.progress_window)
+        self._owner = _TransferOwner(self)
         self._latencies: deque[float] = deque(maxlen=config.latency_window)
         self._stats = dict(
             transfers_posted=0, transfers_done=0, transfers_failed=0, transfers_timed_out=0,
@@ -249,6 +271,9 @@ class Agent:
             self._check_open()
             if region.id not in self._regions:
                 raise UnregisteredMemoryError(f"region {region.id} is not registered on {self.name!r}")
+            for t in list(self._unquiesced.values()):  # a waiting-only caller never polls them
+                if (t.local_regions == region.id).any():
+                    self._check_quiesced(t)
             busy = [t.id for t in itertools.chain(self._pending.values(), self._unquiesced.values())
                     if (t.local_regions == region.id).any()]
             if busy:
@@ -257,6 +282,7 @@ class Agent:
                     "quiesced); wait for them before deregistering"
                 )
             self._regions.pop(region.id)
+            self._regions_gen += 1
             self._backend.deregister(LocalRegion(region.id, region.addr, region.length, region.kind,
                                                  region.device))
             self._rebuild_local_index()
@@ -374,45 +400,98 @@ class Agent:
              timeout: float | None = None) -> Transfer:
         """Copy ``remote`` (on ``peer``) into ``local``. ``notify`` reaches the peer after
         the data has moved."""
-        return self._post(Op.READ, peer, local, remote, notify, timeout)
+        with self._lock:
+            return self._post_prepared(self._prepare(Op.READ, peer, local, remote, notify, timeout))
 
     def write(self, peer: Peer, local: Segments, remote: Segments, *, notify: bytes | None = None,
               timeout: float | None = None) -> Transfer:
         """Copy ``local`` into ``remote`` (on ``peer``); ``notify`` reaches the peer after
         the data landed."""
-        return self._post(Op.WRITE, peer, local, remote, notify, timeout)
-
-    def _post(self, op: Op, peer: Peer, local: Segments, remote: Segments,
-              notify: bytes | None, timeout: float | None) -> Transfer:
-        timeout_s = _check_timeout(self.config.default_timeout_s if timeout is None else timeout)
         with self._lock:
-            req = self.prepare(op, peer, local, remote, notify=notify, timeout=timeout_s)
-            t = Transfer(self, req.transfer_id, op, peer, req.nbytes, int(req.length.size),
-                         _distinct(req.local_region), req.deadline)
-            self._stats["transfers_posted"] += 1
-            self._stats["segments_posted"] += len(local)
-            self._stats["segments_merged"] += int(req.length.size)
-            self._pending[t.id] = t
-            try:
-                t._handle = self._backend.post(req)
-            except Exception as exc:  # a backend refusal fails the transfer, once, visibly
-                self._fail(t, f"backend {self.backend_name!r} refused the post: "
-                              f"{type(exc).__name__}: {exc}", quiesced=True)
-            return t
+            return self._post_prepared(self._prepare(Op.WRITE, peer, local, remote, notify, timeout))
 
     def prepare(self, op: Op, peer: Peer, local: Segments, remote: Segments, *,
-                notify: bytes | None = None, timeout: float | None = None) -> PostRequest:
-        """Validate and merge a transfer without posting it (T4): what ``read``/``write``
-        hand the backend. Raises the same typed errors they raise; moves nothing."""
+                notify: bytes | None = None, timeout: float | None = None) -> PreparedTransfer:
+        """Validate (T4) and merge a transfer once, without posting it; post it with
+        :meth:`post` as often as needed. Raises the typed errors ``read``/``write``
+        raise; moves nothing. ``notify``/``timeout`` are the defaults of each post."""
+        with self._lock:
+            return self._prepare(op, peer, local, remote, notify, timeout)
+
+    def post(self, prepared: PreparedTransfer, *, notify: bytes | None = None,
+             timeout: float | None = None) -> Transfer:
+        """Post a transfer made by :meth:`prepare`; each call is a new :class:`Transfer`.
+
+        Skips the range checks and merging (the costly part for thousands of blocks) and
+        re-checks only what can have changed since: this agent open, the peer still the
+        current connection of its name, the local regions still registered. A preparation
+        that no longer holds raises :class:`~kvtransport.errors.StalePreparedTransferError`
+        (prepare again). ``notify``/``timeout`` of None mean the prepared defaults."""
+        if not isinstance(prepared, PreparedTransfer):
+            raise InvalidSegmentsError(
+                f"post() takes what Agent.prepare() returned, got {type(prepared).__name__}; "
+                "use read()/write() for one-off transfers")
+        with self._lock:
+            self._check_prepared(prepared)
+            return self._post_prepared(prepared, notify, timeout)
+
+    def _check_notify(self, notify: Any) -> bytes:
+        if not self._backend.capabilities.notify:
+            raise BackendOptionError(f"backend {self.backend_name!r} cannot attach notifications")
+        if not isinstance(notify, (bytes, bytearray)):
+            raise InvalidSegmentsError(f"notify must be bytes, got {type(notify).__name__}")
+        return bytes(notify)
+
+    def _check_prepared(self, p: PreparedTransfer) -> None:
+        """O(1) re-validation of a preparation (O(regions used) after a deregister)."""
+        if p.agent_instance != self.instance:
+            raise StalePreparedTransferError(
+                f"this transfer was prepared by another agent, not {self.name!r}; prepare it "
+                "on the agent that posts it")
+        self._check_open()
+        if self._peers.get(p.peer.name) is not p.peer:
+            raise StalePreparedTransferError(
+                f"prepared transfer to peer {p.peer.name!r} is stale: the peer was disconnected "
+                "or replaced by a newer connect() since prepare(); prepare it again with the "
+                "current Peer")
+        if p.regions_generation != self._regions_gen:
+            gone = [rid for rid in p.local_region_ids.tolist() if rid not in self._regions]
+            if gone:
+                raise StalePreparedTransferError(
+                    f"prepared transfer uses local region(s) {gone[:8]}, deregistered from "
+                    f"{self.name!r} since prepare(); register the memory and prepare again")
+
+    def _post_prepared(self, p: PreparedTransfer, notify: bytes | None = None,
+                       timeout: float | None = None) -> Transfer:
+        """Post a validated preparation (caller holds the lock and checked it)."""
+        notify = p.notify if notify is None else self._check_notify(notify)
+        timeout_s = p.timeout_s if timeout is None else _check_timeout(timeout)
+        r = p.request
+        req = PostRequest(r.op, next(self._tids), r.peer, r.peer_name, r.local_region,
+                          r.local_offset, r.local_addr, r.remote_region, r.remote_offset,
+                          r.remote_addr, r.length, notify, time.monotonic() + timeout_s)
+        t = Transfer(self._owner, req.transfer_id, p.op, p.peer, p.nbytes, p.nsegments,
+                     p.local_region_ids, req.deadline)
+        st = self._stats
+        st["transfers_posted"] += 1
+        st["segments_posted"] += p.caller_segments
+        st["segments_merged"] += p.nsegments
+        self._pending[t.id] = t
+        try:
+            t.backend_handle = self._backend.post(req)
+        except Exception as exc:  # a backend refusal fails the transfer, once, visibly
+            self._fail(t, f"backend {self.backend_name!r} refused the post: "
+                          f"{type(exc).__name__}: {exc}", quiesced=True)
+        return t
+
+    def _prepare(self, op: Op, peer: Peer, local: Segments, remote: Segments,
+                 notify: bytes | None, timeout: float | None) -> PreparedTransfer:
+        """Validation (T4) and merging; caller holds the lock."""
         caps = self._backend.capabilities
         if (op is Op.READ and not caps.read) or (op is Op.WRITE and not caps.write):
             raise BackendOptionError(f"backend {self.backend_name!r} does not support {op.name}")
         if notify is not None:
-            if not caps.notify:
-                raise BackendOptionError(f"backend {self.backend_name!r} cannot attach notifications")
-            if not isinstance(notify, (bytes, bytearray)):
-                raise InvalidSegmentsError(f"notify must be bytes, got {type(notify).__name__}")
-            notify = bytes(notify)
+            notify = self._check_notify(notify)
         if not isinstance(local, Segments) or not isinstance(remote, Segments):
             raise InvalidSegmentsError("local and remote must be kvtransport.Segments")
         if len(local) != len(remote):
@@ -431,24 +510,26 @@ class Agent:
         if not local.length.all():
             raise InvalidSegmentsError("segment lengths must be positive")
         timeout_s = _check_timeout(self.config.default_timeout_s if timeout is None else timeout)
-        with self._lock:
-            self._check_open()
-            if self._peers.get(peer.name) is not peer:
-                raise UnknownPeerError(
-                    f"peer {peer.name!r} is not connected to {self.name!r} (never connected, "
-                    "disconnected or replaced by a newer connect); connect() it first"
-                )
-            # Range checks on the caller's segments (errors name the caller's index),
-            # then merging of what is known to be valid.
-            self._local_index.resolve(local.region, local.offset, local.length, "local",
-                                      f"agent {self.name!r}")
-            peer._index.resolve(remote.region, remote.offset, remote.length, "remote",
-                                f"peer {peer.name!r}")
-            lr, lo, rr, ro, ln = merge_pairs(local, remote)
-            laddr = self._local_index.addresses(lr, lo)
-            raddr = peer._index.addresses(rr, ro)
-            return PostRequest(op, next(self._tids), peer._handle, peer.name, lr, lo, laddr,
-                               rr, ro, raddr, ln, notify, time.monotonic() + timeout_s)
+        self._check_open()
+        if self._peers.get(peer.name) is not peer:
+            raise UnknownPeerError(
+                f"peer {peer.name!r} is not connected to {self.name!r} (never connected, "
+                "disconnected or replaced by a newer connect); connect() it first"
+            )
+        # Range checks on the caller's segments (errors name the caller's index),
+        # then merging of what is known to be valid.
+        self._local_index.resolve(local.region, local.offset, local.length, "local",
+                                  f"agent {self.name!r}")
+        peer._index.resolve(remote.region, remote.offset, remote.length, "remote",
+                            f"peer {peer.name!r}")
+        lr, lo, rr, ro, ln = merge_pairs(local, remote)
+        laddr = self._local_index.addresses(lr, lo)
+        raddr = peer._index.addresses(rr, ro)
+        for a in (lr, lo, rr, ro, ln, laddr, raddr):  # shared by every post of it
+            a.flags.writeable = False
+        req = PostRequest(op, 0, peer._handle, peer.name, lr, lo, laddr, rr, ro, raddr, ln)
+        return PreparedTransfer(op, peer, req.nbytes, int(ln.size), len(local), notify, timeout_s,
+                                req, _distinct(lr), self.instance, self._regions_gen)
 
     # -- progress -------------------------------------------------------------
     def _on_backend_progress(self) -> None:
@@ -456,22 +537,10 @@ class Agent:
             self._progress_gen += 1
             self._progress_cond.notify_all()
 
-    def _wait_for_progress(self, seen_gen: int, timeout: float) -> None:
-        """Sleep until a backend signals progress after ``seen_gen`` or ``timeout`` passes."""
-        with self._progress_cond:
-            if self._progress_gen == seen_gen:
-                self._progress_cond.wait(timeout)
-
-    def _progress_transfer(self, t: Transfer) -> None:
-        with self._lock:
-            if t.id in self._pending:
-                self._poll_one(t, time.monotonic())
-            elif t.id in self._unquiesced:
-                self._check_quiesced(t)
-
     def _poll_one(self, t: Transfer, now: float) -> None:
+        h = t.backend_handle
         try:
-            res = self._backend.poll(t._handle) if t._handle is not None else None
+            res = self._backend.poll(h) if h is not None else None
         except Exception as exc:
             self._fail(t, f"backend poll raised {type(exc).__name__}: {exc}")
             return
@@ -482,42 +551,49 @@ class Agent:
                               "with no completion from the backend")
             return
         if res.state is PollState.DONE:
-            if t._finish(TransferStatus(State.DONE)):
+            if t.set_terminal(TransferStatus(State.DONE)):
                 self._pending.pop(t.id, None)
                 self._stats["transfers_done"] += 1
                 self._stats["bytes_read" if t.op is Op.READ else "bytes_written"] += t.nbytes
                 self._latencies.append(t.finished_at - t.posted_at)
-                self._completed.append(t)
+                self._finished.add(t)
         else:
             self._fail(t, res.reason or "backend reported failure", quiesced=res.quiesced)
 
     def _fail(self, t: Transfer, reason: str, quiesced: bool | None = None) -> None:
         """Fail ``t`` once. Unless the backend already said so, cancel it and learn
         whether anything can still land (T3)."""
+        h = t.backend_handle
         if quiesced is None:
             try:
-                quiesced = bool(self._backend.cancel(t._handle)) if t._handle is not None else True
+                quiesced = bool(self._backend.cancel(h)) if h is not None else True
             except Exception:
                 quiesced = False
-        if t._finish(TransferStatus(State.FAILED, reason, quiesced)):
+        if t.set_terminal(TransferStatus(State.FAILED, reason, quiesced)):
             self._pending.pop(t.id, None)
             self._stats["transfers_failed"] += 1
             if not quiesced:
                 self._unquiesced[t.id] = t
-            self._completed.append(t)
+            self._finished.add(t)
 
     def _check_quiesced(self, t: Transfer) -> None:
         try:
-            ok = self._backend.quiesced(t._handle)
+            ok = self._backend.quiesced(t.backend_handle)
         except Exception:
             ok = False
         if ok:
-            t._mark_quiesced()
+            t.set_quiesced()
             self._unquiesced.pop(t.id, None)
 
     def progress(self) -> list[Transfer]:
-        """Poll every pending transfer; return those that became DONE or FAILED since the
-        last call — each exactly once (T1), failed ones by their deadline (T2)."""
+        """Poll every pending transfer; return those that became DONE or FAILED, in
+        completion order, each at most once (T1); silent ones fail by their deadline (T2).
+
+        Every finished transfer nobody has seen end is returned (exactly once). One whose
+        terminal state a ``status()``/``wait()`` call already returned is returned only
+        while the caller still holds its ``Transfer`` (or among the latest
+        ``AgentConfig.progress_window`` such ones): the agent keeps no finished transfer
+        the caller has seen and let go, so waiting alone never accumulates memory."""
         with self._lock:
             if not self._closed:
                 now = time.monotonic()
@@ -525,23 +601,10 @@ class Agent:
                     self._poll_one(t, now)
                 for t in list(self._unquiesced.values()):
                     self._check_quiesced(t)
-            out = list(self._completed)
-            self._completed.clear()
-            return out
+            return self._finished.drain()
 
     def pending(self) -> int:
         return len(self._pending)
-
-    def _release_transfer(self, t: Transfer) -> None:
-        with self._lock:
-            if t._released or t.id in self._pending or t.id in self._unquiesced or self._closed:
-                return
-            t._released = True
-            if t._handle is not None:
-                try:
-                    self._backend.release(t._handle)
-                except Exception:
-                    pass
 
     # -- notifications --------------------------------------------------------
     def notifications(self) -> list[Notification]:
@@ -553,13 +616,35 @@ class Agent:
             return msgs
 
     def send_notification(self, peer: Peer, payload: bytes) -> None:
+        """Send ``payload`` to ``peer`` without data.
+
+        Raises only typed errors: :class:`~kvtransport.errors.InvalidSegmentsError` (not
+        bytes), :class:`~kvtransport.errors.UnknownPeerError` (not connected),
+        :class:`~kvtransport.errors.AgentClosedError`,
+        :class:`~kvtransport.errors.UnsupportedOperationError` (the backend has no
+        standalone notifications) and :class:`~kvtransport.errors.NotificationError`
+        (the backend could not deliver it: peer gone, link down, queue full)."""
         if not isinstance(payload, (bytes, bytearray, memoryview)):
             raise InvalidSegmentsError(f"notification payload must be bytes, got {type(payload).__name__}")
         with self._lock:
             self._check_open()
             if self._peers.get(peer.name) is not peer:
                 raise UnknownPeerError(f"peer {peer.name!r} is not connected to {self.name!r}")
-            self._backend.send_notification(peer._handle, bytes(payload))
+            try:
+                self._backend.send_notification(peer._handle, bytes(payload))
+            except NotImplementedError as exc:
+                raise UnsupportedOperationError(
+                    f"backend {self.backend_name!r} cannot send standalone notifications ({exc}); "
+                    "attach the message to a transfer with notify=, or use a backend that "
+                    "sends them (loopback, ucx)") from exc
+            except NotificationError:
+                raise
+            except Exception as exc:
+                raise NotificationError(
+                    f"notification to peer {peer.name!r} not delivered by backend "
+                    f"{self.backend_name!r}: {type(exc).__name__}: {exc}. The peer may have exited "
+                    "or been restarted: check peer_alive(), reconnect with its new metadata, "
+                    "then retry") from exc
 
     # -- lifetime -------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -601,7 +686,51 @@ class Agent:
         return f"Agent({self.name!r}, backend={self.backend_name!r}, closed={self._closed})"
 
 
-_CORE_OPTIONS = {"name", "default_timeout_s", "max_metadata_bytes", "layout", "faults", "config"}
+class _TransferOwner:
+    """The agent's side of :class:`~kvtransport.transfer.TransferOwner`: all a Transfer
+    may ask of its agent. Kept apart from :class:`Agent` so the agent's public API does
+    not grow per-transfer plumbing."""
+
+    __slots__ = ("_agent",)
+
+    def __init__(self, agent: Agent):
+        self._agent = agent
+
+    def poll_transfer(self, t: Transfer) -> TransferStatus:
+        a = self._agent
+        with a._lock:
+            if t.id in a._pending:
+                a._poll_one(t, time.monotonic())
+            elif t.id in a._unquiesced:
+                a._check_quiesced(t)
+            st = t.last_status
+            if st.done:  # the caller sees it end: progress() need not hold it any more
+                a._finished.seen(t)
+            return st
+
+    def progress_token(self) -> int:
+        return self._agent._progress_gen
+
+    def wait_for_progress(self, token: int, timeout: float) -> None:
+        cond = self._agent._progress_cond
+        with cond:
+            if self._agent._progress_gen == token:
+                cond.wait(timeout)
+
+    def release_transfer(self, t: Transfer) -> None:
+        a = self._agent
+        with a._lock:
+            if t.released or t.id in a._pending or t.id in a._unquiesced or a._closed:
+                return
+            if t.mark_released() and t.backend_handle is not None:
+                try:
+                    a._backend.release(t.backend_handle)
+                except Exception:
+                    pass
+
+
+_CORE_OPTIONS = {"name", "default_timeout_s", "max_metadata_bytes", "layout", "faults", "config",
+                 "latency_window", "progress_window"}
 
 
 def open_agent(backend: str = "loopback", *, name: str | None = None,
@@ -609,7 +738,8 @@ def open_agent(backend: str = "loopback", *, name: str | None = None,
     """Open an agent on the backend registered under ``backend``.
 
     Core settings come from ``config`` or the keywords ``default_timeout_s``,
-    ``max_metadata_bytes``, ``layout``, ``faults``; every other keyword is a backend
+    ``max_metadata_bytes``, ``layout``, ``faults``, ``latency_window``,
+    ``progress_window`` (see :class:`AgentConfig`); every other keyword is a backend
     option, passed to the backend unchanged.
     """
     cfg = dataclasses.replace(config) if config is not None else AgentConfig()

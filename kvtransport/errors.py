@@ -78,3 +78,19 @@ class AgentClosedError(KVTransportError, RuntimeError):
 
 class TransferFailedError(KVTransportError, RuntimeError):
     """Raised by ``Transfer.result()`` when the transfer ended FAILED."""
+
+
+class NotificationError(KVTransportError, ConnectionError):
+    """A standalone notification could not be delivered to the peer (peer gone, link
+    down, queue full). Also a ``ConnectionError``, so handlers written for the untyped
+    error the backends raised before keep working."""
+
+
+class UnsupportedOperationError(KVTransportError, NotImplementedError):
+    """The backend does not implement the operation (e.g. standalone notifications)."""
+
+
+class StalePreparedTransferError(KVTransportError, LookupError):
+    """A ``PreparedTransfer`` no longer matches the agent: its peer was replaced or
+    disconnected, a local region it uses was deregistered, or another agent prepared it.
+    Call ``Agent.prepare`` again."""

@@ -1,8 +1,21 @@
-"""Transfer handles and their state machine.
+"""Transfer handles, their state machine, and what they need from their agent.
 
-``NEW -> PENDING -> DONE | FAILED(reason, quiesced)``. The terminal state is set once
-(T1); the owning agent's polling sets it by the deadline at the latest (T2). A FAILED
+``PENDING -> DONE | FAILED(reason, quiesced)``. The terminal state is set once (T1);
+the owning agent's polling sets it by the deadline at the latest (T2). A FAILED
 transfer may still have bytes in flight until ``quiesced`` turns True (T3).
+
+A :class:`Transfer` and the agent that posted it talk through two small, explicit
+interfaces instead of each other's private members:
+
+* :class:`TransferOwner` — what a Transfer asks of its agent (poll me, let me sleep
+  until the backend signals progress, release me);
+* the *owner side* of :class:`Transfer` (``set_terminal``, ``set_quiesced``,
+  ``mark_released``, ``backend_handle``, ``last_status``) — what only the owner calls,
+  in the manner of ``concurrent.futures.Future.set_result``, which is public but meant
+  for executors.
+
+:class:`FinishedTransfers` is the agent's queue behind ``Agent.progress()``; see its
+docstring for why a transfer whose end the caller has already seen is not kept.
 """
 
 from __future__ import annotations
@@ -10,18 +23,21 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from .errors import TransferFailedError
-from .spi import Op
+from .spi import Op, PostRequest
 
 if TYPE_CHECKING:
-    from .agent import Agent, Peer
+    from .agent import Peer
 
-__all__ = ["State", "TransferStatus", "Transfer"]
+__all__ = ["State", "TransferStatus", "Transfer", "TransferOwner", "PreparedTransfer",
+           "FinishedTransfers"]
 
 
 class State(str, enum.Enum):
@@ -47,15 +63,41 @@ class TransferStatus:
 
 
 _PENDING = TransferStatus(State.PENDING)
-_DONE = TransferStatus(State.DONE)
+
+
+class TransferOwner(Protocol):
+    """What a :class:`Transfer` needs from the agent that posted it — nothing more.
+
+    ``Agent`` provides one; a Transfer never touches the agent otherwise, and the agent
+    changes a Transfer only through the Transfer's owner side.
+    """
+
+    def poll_transfer(self, transfer: Transfer) -> TransferStatus:
+        """Drive ``transfer`` one step (poll the backend, enforce its deadline, or check
+        quiescence of a failed one) and return its status. A terminal status returned
+        here counts as *seen by the caller* (see :class:`FinishedTransfers`)."""
+        ...
+
+    def progress_token(self) -> int:
+        """An opaque counter of backend progress signals, read before polling so that a
+        signal between the poll and the sleep is not lost."""
+        ...
+
+    def wait_for_progress(self, token: int, timeout: float) -> None:
+        """Sleep until a backend signals progress after ``token``, or ``timeout`` s."""
+        ...
+
+    def release_transfer(self, transfer: Transfer) -> None:
+        """Free the backend's resources of ``transfer`` once it can no longer land bytes."""
+        ...
 
 
 class Transfer:
-    """Handle of one posted READ or WRITE. Created by ``Agent.read`` / ``Agent.write``."""
+    """Handle of one posted READ or WRITE. Created by ``Agent.read`` / ``write`` / ``post``."""
 
     def __init__(
         self,
-        agent: Agent,
+        owner: TransferOwner,
         tid: int,
         op: Op,
         peer: Peer,
@@ -64,23 +106,27 @@ class Transfer:
         local_regions: np.ndarray,
         deadline: float,
     ):
-        self._agent = agent
+        self._owner = owner
         self.id = tid
         self.op = op
         self.peer = peer
         self.nbytes = nbytes
         self.nsegments = nsegments
+        #: Distinct local region ids the transfer touches (deregistration checks).
         self.local_regions = local_regions
+        #: ``time.monotonic()`` value by which the transfer ends (the core fails it then).
         self.deadline = deadline
         self.posted_at = time.monotonic()
         self.finished_at: float | None = None
+        #: Set by the owner: what the backend's ``post`` returned (None if it refused).
+        self.backend_handle: Any = None
         self._status: TransferStatus = _PENDING
         self._lock = threading.Lock()
-        self._handle: Any = None
         self._released = False
+        self._seen_final = False  # a status() call returned the final (quiesced) state
 
-    # -- state changes (core only) --------------------------------------------
-    def _finish(self, status: TransferStatus) -> bool:
+    # -- owner side: called only by the TransferOwner that created the transfer -----
+    def set_terminal(self, status: TransferStatus) -> bool:
         """Set the terminal state once. Returns True only for the call that set it."""
         with self._lock:
             if self._status.state is not State.PENDING:
@@ -89,18 +135,43 @@ class Transfer:
             self.finished_at = time.monotonic()
             return True
 
-    def _mark_quiesced(self) -> None:
+    def set_quiesced(self) -> None:
+        """A FAILED transfer can no longer land bytes (T3)."""
         with self._lock:
             st = self._status
             if st.state is State.FAILED and not st.quiesced:
                 self._status = TransferStatus(State.FAILED, st.reason, True)
 
+    def mark_released(self) -> bool:
+        """Record that the backend's resources are freed; True only the first time."""
+        with self._lock:
+            if self._released:
+                return False
+            self._released = True
+            return True
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    @property
+    def last_status(self) -> TransferStatus:
+        """The state as last set, without driving progress (for the owner and ``repr``)."""
+        return self._status
+
     # -- public ---------------------------------------------------------------
     def status(self) -> TransferStatus:
-        """Current state; drives progress of this transfer (and enforces its deadline)."""
-        if self._status.state is State.PENDING or not self._status.quiesced:
-            self._agent._progress_transfer(self)
-        return self._status
+        """Current state; drives progress of this transfer (and enforces its deadline).
+
+        Once a call has returned a terminal state, the caller has *seen* the transfer
+        end: the agent stops holding it for ``Agent.progress()`` beyond a short window
+        (see :class:`FinishedTransfers`)."""
+        if self._seen_final:
+            return self._status
+        st = self._owner.poll_transfer(self)
+        if st.done and st.quiesced:
+            self._seen_final = True  # nothing can change any more: no need to ask again
+        return st
 
     @property
     def done(self) -> bool:
@@ -115,9 +186,9 @@ class Transfer:
         deadline bounds the wait anyway). Returns the status at that time."""
         limit = time.monotonic() + timeout if timeout is not None else float("inf")
         sleep = 5e-5
-        agent = self._agent
+        owner = self._owner
         while True:
-            gen = agent._progress_gen
+            token = owner.progress_token()
             st = self.status()
             if st.done:
                 return st
@@ -126,7 +197,7 @@ class Transfer:
                 return st
             # Woken at once by a backend that signals progress; otherwise a short back-off
             # (also bounds the wait for a silent backend's deadline, which polling enforces).
-            agent._wait_for_progress(gen, min(sleep, limit - now, max(self.deadline - now, 0.0) + 1e-4))
+            owner.wait_for_progress(token, min(sleep, limit - now, max(self.deadline - now, 0.0) + 1e-4))
             sleep = min(sleep * 2, 2e-3)
 
     def result(self, timeout: float | None = None) -> None:
@@ -138,8 +209,10 @@ class Transfer:
             raise TimeoutError(f"transfer {self.id} still pending after {timeout}s")
 
     def release(self) -> None:
-        """Free backend resources. A pending transfer keeps running until it ends."""
-        self._agent._release_transfer(self)
+        """Free backend resources. A pending (or failed, not yet quiesced) transfer keeps
+        them until it ends; releasing is optional — an unreleased handle is freed with
+        the Transfer."""
+        self._owner.release_transfer(self)
 
     def __repr__(self) -> str:
         st = self._status
@@ -147,3 +220,97 @@ class Transfer:
             f"Transfer(id={self.id}, op={self.op.name}, peer={self.peer.name!r}, "
             f"nbytes={self.nbytes}, state={st.state.value}{', ' + st.reason if st.reason else ''})"
         )
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedTransfer:
+    """A transfer validated and merged once by ``Agent.prepare``, posted any number of
+    times by ``Agent.post`` — the analogue of NIXL's prepared descriptor lists.
+
+    ``Agent.post`` does not redo the range checks; it re-checks, in O(1) unless a region
+    was deregistered, that the preparation still holds: same agent, open, the peer still
+    the current connection of its name (a replaced or disconnected peer makes it stale),
+    and every local region it uses still registered. Anything else raises
+    :class:`~kvtransport.errors.StalePreparedTransferError`: prepare again.
+    """
+
+    op: Op
+    peer: Peer
+    #: Bytes moved per post.
+    nbytes: int
+    #: Segments the backend sees (after merging runs contiguous on both sides).
+    nsegments: int
+    #: Segments the caller gave (before merging), for the agent's statistics.
+    caller_segments: int
+    #: Default ``notify`` / ``timeout`` of each post (``Agent.post`` may override them).
+    notify: bytes | None
+    timeout_s: float
+    #: The validated, merged request; ``transfer_id``, ``notify`` and ``deadline`` are
+    #: filled in per post. Its arrays are read-only and shared by every post.
+    request: PostRequest = field(repr=False)
+    #: Distinct local region ids used (checked again on post if regions changed).
+    local_region_ids: np.ndarray = field(repr=False)
+    #: Which agent prepared it, and its region generation at the time.
+    agent_instance: str = field(repr=False)
+    regions_generation: int = field(repr=False)
+
+
+class _SeenRef(weakref.ref):
+    """Weak reference to a finished transfer the caller has seen end, keyed by its id."""
+
+    __slots__ = ("tid",)
+
+    def __init__(self, transfer: Transfer, callback: Any):
+        super().__init__(transfer, callback)
+        self.tid = transfer.id
+
+
+class FinishedTransfers:
+    """Finished transfers not yet returned by ``Agent.progress()``, oldest first.
+
+    The contract (T1 plus bounded memory):
+
+    * ``progress()`` returns every finished transfer at most once, in completion order.
+    * A transfer nobody has seen end (no ``status()``/``wait()`` returned its terminal
+      state) is kept until ``progress()`` returns it: fire-and-forget callers who learn
+      results only from ``progress()`` never miss one.
+    * A transfer whose terminal state the caller has seen is held only *weakly*: it is
+      still returned by ``progress()`` while the caller holds its ``Transfer`` (and among
+      the latest ``window`` seen ones even if not), and forgotten otherwise. So a caller
+      that only ``wait()``s — as the README does — leaves nothing behind per transfer.
+
+    Not thread-safe by itself: the agent calls it under its lock. The weak references'
+    callbacks (run when a Transfer is freed, on any thread) only pop from the current
+    dict, which ``drain`` swaps out before iterating, so they never disturb a drain.
+    """
+
+    def __init__(self, window: int):
+        self._items: dict[int, Transfer | _SeenRef] = {}
+        self._recent: deque[Transfer] = deque(maxlen=max(0, int(window)))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, t: Transfer) -> None:
+        """``t`` just became terminal."""
+        self._items[t.id] = t
+
+    def seen(self, t: Transfer) -> None:
+        """A ``status()``/``wait()`` returned ``t``'s terminal state: hold it weakly."""
+        if self._items.get(t.id) is t:
+            self._items[t.id] = _SeenRef(t, self._forget)
+            self._recent.append(t)
+
+    def _forget(self, ref: _SeenRef) -> None:
+        self._items.pop(ref.tid, None)
+
+    def drain(self) -> list[Transfer]:
+        """Return and forget what is queued."""
+        items, self._items = self._items, {}
+        out: list[Transfer] = []
+        for v in items.values():
+            t = v() if isinstance(v, _SeenRef) else v
+            if t is not None:
+                out.append(t)
+        self._recent.clear()  # only now: it keeps the window's transfers alive until here
+        return out

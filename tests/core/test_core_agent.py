@@ -535,7 +535,7 @@ def test_T3_backend_reported_failure_without_quiescence(doubles):
     a, double, ra, peer, rem = doubles
     t = a.read(peer, ra.segments([0], [64]), rem.segments([0], [64]), timeout=30)
     assert t.status().state is kvt.State.PENDING
-    t._handle.fail_unquiesced = True
+    t.backend_handle.fail_unquiesced = True
     st = t.status()
     assert (st.state, st.reason, st.quiesced) == (kvt.State.FAILED, "link reset", False)
     assert double.cancelled == []  # the backend said so itself: no cancel needed
