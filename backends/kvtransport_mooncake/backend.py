@@ -1,0 +1,173 @@
+"""The ``mooncake`` backend: kvtransport over Mooncake's Transfer Engine.
+
+One Mooncake ``TransferEngine`` per agent, initialised with the peer-to-peer hand-shake
+(``P2PHANDSHAKE``: no metadata server; each engine serves its segment description on its
+own RPC port and is named by the session id ``host:port``), TCP or RDMA. The parts:
+
+* :mod:`.probe` — can it run here, and why not;
+* :mod:`.options` — backend options, strictly checked;
+* :mod:`.wire` — the agent blob (session id, scratch buffer, process identity), msgspec;
+* :mod:`.transfers` — chunked batch READ/WRITE, completion, quiescence, peer liveness;
+* :mod:`._abi` — the non-blocking batch status calls the Python binding lacks;
+* :mod:`.notify` — kvtransport notifications carried by Mooncake's own notifications.
+
+The core serialises every SPI call (agent lock); the notifier thread is the only other
+thread touching this object, through ``NotifyJob.result`` and ``signal_progress``.
+See docs/MOONCAKE.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvtransport.errors import BackendUnavailableError, IncompatiblePeerError, NotificationError
+from kvtransport.process_identity import ProcessIdentity
+from kvtransport.spi import (
+    Availability,
+    Backend,
+    Capabilities,
+    LocalRegion,
+    PollResult,
+    PostRequest,
+    RemoteRegion,
+    Scope,
+)
+
+from . import notify as N
+from . import probe as P
+from . import wire
+from .options import MooncakeOptions, parse_options
+from .transfers import Conn, DataPath, Job
+
+
+class MooncakeBackend(Backend):
+    name = "mooncake"
+    version = "1"
+    capabilities = Capabilities(
+        read=True,
+        write=True,
+        notify=True,
+        memory_kinds=frozenset({"cpu"}),
+        scopes=frozenset({Scope.SAME_PROCESS, Scope.SAME_HOST, Scope.CROSS_HOST}),
+        # Same-host peers are watched by pid; a cross-host peer that vanishes without a TCP
+        # reset is only caught by Mooncake's status timeout or the core's deadline.
+        detects_peer_failure=False,
+    )
+    conformance_options = ({"protocol": "tcp"},)
+
+    @classmethod
+    def probe(cls) -> Availability:
+        return P.probe()
+
+    def __init__(self, agent_name: str, options: Mapping[str, Any]) -> None:
+        super().__init__(agent_name, options)
+        self.opts: MooncakeOptions = parse_options(options)
+        av = P.probe()
+        if not av.usable:
+            raise BackendUnavailableError(self.name, av.reason, av.install_hint)
+        self._me = P.load_engine_module()
+        self._engine = self._me.TransferEngine()
+        o = self.opts
+        rc = self._engine.initialize(o.hostname, "P2PHANDSHAKE", o.protocol, o.device_name)
+        if rc != 0:
+            raise BackendUnavailableError(
+                self.name, f"Mooncake Transfer Engine did not initialise (hostname={o.hostname!r}, "
+                f"protocol={o.protocol!r}, device_name={o.device_name!r}): rc={rc}; see Mooncake's log",
+                "protocol='rdma' needs an RDMA NIC; use protocol='tcp' otherwise")
+        self.session = f"{o.hostname}:{self._engine.get_rpc_port()}"
+        #: 8 registered bytes: the target of the 1-byte transfers that carry notifications
+        #: and of the reachability check in ``connect``.
+        self._scratch = np.zeros(64, np.uint8)
+        self._scratch_addr = int(self._scratch.ctypes.data)
+        if self._engine.register_memory(self._scratch_addr, self._scratch.nbytes) != 0:
+            raise BackendUnavailableError(self.name, "Mooncake refused to register an 8-byte buffer")
+        self._ident = ProcessIdentity.current()
+        self._notifier = N.Notifier(self._engine, self._me, agent_name, self._scratch_addr, self.signal_progress)
+        self._data = DataPath(self._engine, self.opts, self._notifier)
+        self._by_name: dict[str, Conn] = {}
+        self._closed = False
+
+    # -- memory ---------------------------------------------------------------------------
+    def register(self, region: LocalRegion) -> bytes:
+        rc = self._engine.register_memory(region.addr, region.length)
+        if rc != 0:
+            raise RuntimeError(f"Mooncake refused to register {region.length} bytes at {region.addr:#x} (rc={rc})")
+        return b""  # peers address our memory by absolute address (RemoteRegion.addr)
+
+    def deregister(self, region: LocalRegion) -> None:
+        self._engine.unregister_memory(region.addr)
+
+    # -- peers ----------------------------------------------------------------------------
+    def export(self) -> bytes:
+        i = self._ident
+        return wire.encode(wire.Export(wire.WIRE_VERSION, self.session, self.opts.protocol, self._scratch_addr,
+                                       i.pid, i.start_time, i.boot_id, i.pid_ns))
+
+    def connect(self, peer_name: str, blob: bytes, regions: Sequence[RemoteRegion]) -> Conn:
+        exp = wire.decode(peer_name, blob, self.opts.protocol)
+        # Opens the peer's segment (hand-shake) now rather than in the first post, and
+        # proves the data path: a 1-byte READ of the peer's scratch buffer.
+        rc = self._engine.batch_transfer_sync_read(exp.session, [self._scratch_addr], [exp.scratch_addr], [1])
+        if rc != 0:
+            raise IncompatiblePeerError(f"peer {peer_name!r} is not reachable over Mooncake at {exp.session} "
+                                        f"({self.opts.protocol}); rc={rc}")
+        conn = Conn(peer_name, exp)
+        old = self._by_name.get(peer_name)
+        if old is not None:
+            self._data.drop(old, f"connection to {peer_name!r} replaced by a new connect")
+        self._by_name[peer_name] = conn
+        return conn
+
+    def disconnect(self, peer: Conn) -> None:
+        self._data.drop(peer, f"peer {peer.name!r} disconnected")
+        if self._by_name.get(peer.name) is peer:
+            del self._by_name[peer.name]
+
+    def peer_alive(self, peer: Conn) -> bool | None:
+        return peer.alive()
+
+    # -- data path ------------------------------------------------------------------------
+    def post(self, req: PostRequest) -> Job:
+        return self._data.post(req, req.peer)
+
+    def poll(self, handle: Job) -> PollResult:
+        return self._data.poll(handle)
+
+    def cancel(self, handle: Job) -> bool:
+        return self._data.cancel(handle)
+
+    def quiesced(self, handle: Job) -> bool:
+        return self._data.quiesced(handle)
+
+    # -- notifications --------------------------------------------------------------------
+    def notifications(self) -> list[tuple[str, bytes]]:
+        return N.drain(self._engine)
+
+    def send_notification(self, peer: Conn, payload: bytes) -> None:
+        """Queued behind earlier notifications; raises if the peer is known gone."""
+        if peer.gone or peer.alive() is False:
+            raise NotificationError(f"peer {peer.name!r} is gone: {peer.gone or 'its process exited'}")
+        self._notifier.submit(N.NotifyJob(peer.session, peer.exp.scratch_addr, bytes(payload)))
+
+    # -- lifetime -------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for conn in list(self._by_name.values()):
+            self._data.drop(conn, "agent closed")
+        self._by_name.clear()
+        if self._notifier.close():
+            # Destroying the engine stops its threads and closes its ports. Not while the
+            # notifier may still be inside a call on it.
+            self._engine.unregister_memory(self._scratch_addr)
+            self._engine = None
+            self._data = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"transport": f"mooncake-{self.opts.protocol}", "session": self.session,
+                "hostname": self.opts.hostname, "device_name": self.opts.device_name,
+                "peers": sorted(self._by_name)}

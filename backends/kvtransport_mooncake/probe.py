@@ -1,0 +1,60 @@
+"""Can the ``mooncake`` backend run here, and if not, precisely why and how to fix it.
+
+Checked in order, each with its own reason and install hint:
+
+1. the ``mooncake`` package is installed (``mooncake-transfer-engine-non-cuda`` here, or the
+   CUDA wheel ``mooncake-transfer-engine``);
+2. ``mooncake.engine`` loads: even the TCP transport links ``libibverbs.so.1``, so a host
+   without the system's verbs library fails here with the loader's message;
+3. ``engine.so`` exports the C++ status entry points this backend polls with (``_abi``);
+4. a Transfer Engine initialises with the peer-to-peer hand-shake on 127.0.0.1 over TCP
+   (it binds two free ports and releases them). Done once per process and cached.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+from kvtransport.spi import Availability
+
+from . import _abi
+
+PIP_HINT = "pip install 'kvtransport[mooncake]'  (installs mooncake-transfer-engine-non-cuda)"
+APT_HINT = "apt-get install libibverbs1  (Mooncake links libibverbs.so.1 even for TCP)"
+
+
+def load_engine_module():
+    """Import ``mooncake.engine`` (raises ImportError/OSError with the loader's reason)."""
+    import mooncake.engine as me
+
+    return me
+
+
+@functools.cache
+def probe() -> Availability:
+    if importlib.util.find_spec("mooncake") is None:
+        return Availability(False, "the Python package 'mooncake' (Mooncake Transfer Engine) is not installed",
+                            PIP_HINT)
+    try:
+        me = load_engine_module()
+    except (ImportError, OSError) as exc:
+        text = f"{type(exc).__name__}: {exc}"
+        if "libibverbs" in text or "ibverbs" in text:
+            return Availability(False, f"mooncake.engine cannot load the system's verbs library: {text}",
+                                APT_HINT)
+        return Availability(False, f"mooncake.engine cannot be imported: {text}", PIP_HINT)
+    why = _abi.check()
+    if why:
+        return Availability(False, why, "install mooncake-transfer-engine-non-cuda 0.3.13 (the version tested)")
+    try:
+        engine = me.TransferEngine()
+        rc = engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+        del engine
+    except Exception as exc:  # a probe must not raise
+        return Availability(False, f"a Mooncake Transfer Engine cannot be created: {type(exc).__name__}: {exc}")
+    if rc != 0:
+        return Availability(False, f"a Mooncake Transfer Engine does not initialise (P2PHANDSHAKE, tcp, "
+                                   f"127.0.0.1): initialize() returned {rc}; see Mooncake's log on stderr "
+                                   "(free TCP ports in MC_MIN_RPC_PORT..MC_MAX_RPC_PORT are needed)")
+    return Availability(True)
