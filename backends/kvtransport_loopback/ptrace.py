@@ -84,12 +84,13 @@ class Grant(enum.Enum):
 class PtracerPolicy:
     """Decides which process this one names as its ptracer; thread-safe.
 
-    ``scope`` is the Yama scope read once at open; ``prctl`` is the seam the tests replace
-    to observe decisions on kernels without Yama.
+    ``scope`` is the Yama scope read once at open; ``prctl`` (default: this module's
+    :func:`set_ptracer`, looked up at call time) is the seam the tests replace to observe
+    decisions on kernels without Yama.
     """
 
     def __init__(self, scope: int | None, mode: str = "peer",
-                 prctl: Callable[[int], None] = set_ptracer) -> None:
+                 prctl: Callable[[int], None] | None = None) -> None:
         if mode not in GRANT_MODES:
             raise ValueError(f"ptrace_grant must be one of {GRANT_MODES}, got {mode!r}")
         self.scope = scope
@@ -119,13 +120,13 @@ class PtracerPolicy:
                     return Grant.ALREADY
                 log.warning("loopback: ptrace_grant='any': any process of this user may now attach to this "
                             "process (PR_SET_PTRACER_ANY); use the default 'peer' unless many peers copy at once")
-                self._prctl(PR_SET_PTRACER_ANY)
+                (self._prctl or set_ptracer)(PR_SET_PTRACER_ANY)
                 self.any_granted = True
                 self.grants += 1
                 return Grant.ANY
             if self.current == requester:
                 return Grant.ALREADY
-            self._prctl(requester.pid)
+            (self._prctl or set_ptracer)(requester.pid)
             self.current = requester
             self.grants += 1
             return Grant.GRANTED
