@@ -13,8 +13,8 @@ what lets peers read and write our memory without any call from the application.
 Why more than one lane: a UCP worker is serial, and with cma the copy itself runs inside
 ``ucp_worker_progress``. Two workers let two threads copy the two halves of a large transfer
 on two cores (the posting thread starts lane 0's share inline, lane 1's thread copies the
-other half). Peers only ever
-connect to lane 0 (its address is the one exported), so notifications arrive there.
+other half). Every lane's address is exported; a peer connects its lane k to our lane k
+(modulo our lane count), and notifications always travel lane 0 to lane 0.
 """
 
 from __future__ import annotations
@@ -80,6 +80,10 @@ class UcpWorker:
         self._idle_timeout = idle_timeout_s
         self._stop = False
         self.context = self.worker = None
+        #: Rounds of the progress threads, and those that ended because the idle timeout
+        #: expired (nothing woke the thread). An idle agent's rounds are all idle wake-ups;
+        #: a thread that spins shows rounds without idle wake-ups.
+        self.rounds = 0
         self.idle_wakeups = 0
 
         cfg = c_void_p()
@@ -231,6 +235,7 @@ class UcpWorker:
         arm = self.ucp.ucp_worker_arm
         try:
             while not self._stop:
+                self.rounds += 1
                 if not self._drain(lane):
                     return
                 with self.lock:

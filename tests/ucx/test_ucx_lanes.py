@@ -13,7 +13,7 @@ import pytest
 
 import kvtransport as kvt
 from kvtransport.errors import BackendOptionError
-from kvtransport_ucx.backend import _cut
+from kvtransport_ucx._transfers import cut as _cut
 from ucx_helpers import TLS_OPTIONS, PeerProcess, expected_bytes, sha, skip_unless_ucx_usable
 
 pytestmark = pytest.mark.timeout(180)
@@ -175,7 +175,7 @@ def test_peer_exporting_a_single_address_is_reached_on_every_lane():
     address from all our lanes."""
     import msgspec
 
-    from kvtransport_ucx import backend as B
+    from kvtransport_ucx import _peers as B
 
     size = 4 << 20
     a = kvt.open("ucx", name="old-style-a", tls="tcp", lanes=2, lane_split_bytes=0)
@@ -184,7 +184,7 @@ def test_peer_exporting_a_single_address_is_reached_on_every_lane():
         x, y = np.arange(size, dtype=np.uint32).view(np.uint8)[:size].copy(), np.zeros(size, np.uint8)
         ra, rb = a.register(x), b.register(y)
         blob = b._backend.export()
-        exp = msgspec.msgpack.decode(blob, type=B._Export)
+        exp = msgspec.msgpack.decode(blob, type=B.Export)
         assert len(exp.lane_addresses) == 2
         old = msgspec.structs.replace(exp, lane_addresses=[])
         b._backend.export = lambda: msgspec.msgpack.encode(old)
