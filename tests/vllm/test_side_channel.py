@@ -12,6 +12,7 @@ import time
 import msgspec
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from harness import free_port_base
 from kvtransport.auth import Authenticator
@@ -64,6 +65,20 @@ def _roundtrip(client, msg, timeout=5.0):
     return None
 
 
+def _poll_until(client, n_accepted: int, n_refused: int, timeout=5.0) -> list:
+    """Poll until ``n_accepted`` replies were accepted and ``n_refused`` refused (frames of
+    one connection arrive in order: when the last delivered frame is accounted for, every
+    earlier one is)."""
+    got: list = []
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got += client.poll()
+        if len(got) >= n_accepted and client.counters["auth"] >= n_refused:
+            break
+        time.sleep(0.002)
+    return got
+
+
 def test_valid_sealed_message_served(server):
     port, srv, seen = server
     c = SideChannelClient("127.0.0.1", port, auth=_auth())
@@ -79,8 +94,10 @@ def test_wrong_secret_refused_before_handler(server):
     port, srv, seen = server
     c = SideChannelClient("127.0.0.1", port, auth=_auth(b"not-the-cluster-secret-42"))
     try:
-        assert _roundtrip(c, Done(keys=["a"]), timeout=1.0) is None  # the refusal is not authentic to us
-        assert not seen and srv.counters["auth"] == 1 and c.counters["auth"] == 1
+        c.send(Done(keys=["a"]))
+        # the server's unsealed refusal arrives and is dropped as not authentic to us
+        assert _poll_until(c, 0, 1) == []
+        assert not seen and srv.counters["auth"] == 1 and c.counters["auth"] == 1 and c.pending == 1
     finally:
         c.close()
 
@@ -127,44 +144,79 @@ def test_wrong_version_refused(server):
     assert isinstance(r, Error) and r.code == "version" and "version 99" in r.message and not seen
 
 
+def _dealer_watching_disconnect(port: int) -> tuple[zmq.Socket, zmq.Socket]:
+    """A DEALER connected to ``port`` and a monitor reporting when the server drops it."""
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    s.connect(f"tcp://127.0.0.1:{port}")
+    return s, mon
+
+
+def _wait_disconnected(mon: zmq.Socket, timeout=10.0) -> None:
+    """Ordering fact: the server's ZMQ read the frame's header and dropped the connection."""
+    assert mon.poll(int(timeout * 1000)), "the server never dropped the oversized frame's connection"
+    assert recv_monitor_message(mon)["event"] == zmq.EVENT_DISCONNECTED
+
+
 def test_oversized_dropped_server_keeps_serving(server):
+    """ZMQ drops a frame over ``max_message_bytes`` unread (MAXMSGSIZE): once the server has
+    dropped its connection, a good request is served and is the only one the handler saw."""
     port, srv, seen = server
-    assert _raw(port, _auth().seal(encode(Done(keys=["x" * 10000])), "req"), timeout=0.5) is None
+    s, mon = _dealer_watching_disconnect(port)
+    try:
+        s.send(_auth().seal(encode(Done(keys=["x" * 10000])), "req"))
+        _wait_disconnected(mon)
+    finally:
+        mon.close(0)
+        s.close(0)
     c = SideChannelClient("127.0.0.1", port, auth=_auth())
     try:
         assert isinstance(_roundtrip(c, Renew(keys=["b"])), Reply)
         assert [m.keys for m in seen] == [["b"]]
+        assert sum(srv.counters[k] for k in ("served", "auth", "malformed", "version")) == 1
     finally:
         c.close()
 
 
-def test_failed_authentications_are_rate_limited(server):
+def test_failed_authentications_are_rate_limited():
     """Past the burst, failures get no reply at all (a flood costs no replies); a good
-    peer is still served."""
-    port, srv, seen = server
+    peer is still served. The bucket never refills here (rate 0), so the counts are exact
+    however long the flood takes; a sealed request sent last on the same socket is the
+    barrier: its reply means every junk frame before it was handled."""
+    seen = []
+    port = free_port_base(1)
+    srv = SideChannelServer("127.0.0.1", port, lambda m: (seen.append(m), Reply(status={k: "ok" for k in m.keys}))[1],
+                            auth=_auth(), auth_fail_rate=0.0, auth_fail_burst=20)
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.connect(f"tcp://127.0.0.1:{port}")
+    a = _auth()
     try:
         for i in range(200):
             s.send(b"junk-%d" % i)
-        deadline = time.monotonic() + 5
-        while srv.counters["auth"] < 200 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        replies = 0
-        while s.poll(200):
-            s.recv()
-            replies += 1
+        barrier = a.seal(encode(Renew(keys=["barrier"])), "req")
+        s.send(barrier)
+        refusals = 0
+        while True:
+            assert s.poll(10_000), f"no reply to the barrier ({refusals} refusals seen)"
+            r = s.recv()
+            if r.startswith(b"KVTA"):
+                assert isinstance(decode(a.open(r, "rep", request_nonce=Authenticator.nonce_of(barrier))), Reply)
+                break
+            assert decode(r).code == "auth"
+            refusals += 1
         assert srv.counters["auth"] == 200
-        assert srv.counters["dropped"] >= 150 and replies == 200 - srv.counters["dropped"]
-        assert replies <= 40  # burst 20 + refill at 10/s during the flood
+        assert refusals == 20 and srv.counters["dropped"] == 180
+        c = SideChannelClient("127.0.0.1", port, auth=_auth())
+        try:
+            assert isinstance(_roundtrip(c, Renew(keys=["g"])), Reply)
+            assert [m.keys for m in seen] == [["barrier"], ["g"]]
+        finally:
+            c.close()
     finally:
         s.close(0)
-    c = SideChannelClient("127.0.0.1", port, auth=_auth())
-    try:
-        assert isinstance(_roundtrip(c, Renew(keys=["g"])), Reply) and [m.keys for m in seen] == [["g"]]
-    finally:
-        c.close()
+        srv.close()
 
 
 def test_token_bucket():
@@ -220,20 +272,6 @@ class _Mitm:
     def close(self):
         self.front.close(0)
         self.back.close(0)
-
-
-def _poll_until(client, n_accepted: int, n_refused: int, timeout=5.0) -> list:
-    """Poll until ``n_accepted`` replies were accepted and ``n_refused`` refused (frames of
-    one connection arrive in order: when the last delivered frame is accounted for, every
-    earlier one is)."""
-    got: list = []
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got += client.poll()
-        if len(got) >= n_accepted and client.counters["auth"] >= n_refused:
-            break
-        time.sleep(0.002)
-    return got
 
 
 @pytest.fixture
