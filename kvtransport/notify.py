@@ -56,7 +56,7 @@ import msgspec
 import zmq
 
 from .auth import Authenticator, AuthError
-from .errors import KVTransportError
+from .errors import NotificationError
 
 __all__ = [
     "CHANNEL",
@@ -87,10 +87,6 @@ _decoder = msgspec.msgpack.Decoder(tuple[int, str, str, bytes])
 ControlHandler = Callable[[str, str, bytes], None]
 
 
-class NotificationError(KVTransportError, RuntimeError):
-    """A notification could not be sent (payload too large, queue full, socket closed)."""
-
-
 def new_notification_key() -> bytes:
     """A fresh random key for one receiver; it travels only inside agent metadata."""
     return secrets.token_bytes(KEY_BYTES)
@@ -98,7 +94,7 @@ def new_notification_key() -> bytes:
 
 def _authenticator(key: bytes) -> Authenticator:
     if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
-        raise NotificationError(f"a notification key is {KEY_BYTES} random bytes (from new_notification_key())")
+        raise ValueError(f"a notification key is {KEY_BYTES} random bytes (from new_notification_key())")
     return Authenticator(bytes(key), CHANNEL, max_nonces=_MAX_NONCES)
 
 

@@ -40,7 +40,7 @@ import msgspec
 import numpy as np
 import zmq
 
-from kvtransport.errors import BackendOptionError, IncompatiblePeerError, PeerMetadataError
+from kvtransport.errors import BackendOptionError, IncompatiblePeerError, NotificationError, PeerMetadataError
 from kvtransport.notify import NotificationReceiver, NotificationSender, new_notification_key
 from kvtransport.process_identity import ProcessIdentity, process_start_time
 from kvtransport.spi import (
@@ -389,7 +389,7 @@ class LoopbackBackend(Backend):
 
     def send_notification(self, peer: _Peer, payload: bytes) -> None:
         if peer.gone or not peer.alive():
-            raise ConnectionError(f"peer {peer.name!r} is gone")
+            raise NotificationError(f"peer {peer.name!r} is gone")
         fut = self._notifier.submit(self._send, peer, payload)
         fut.result(timeout=5)
 

@@ -47,7 +47,7 @@ from typing import Any, ClassVar
 
 import zmq
 
-from kvtransport.errors import BackendOptionError, BackendUnavailableError
+from kvtransport.errors import BackendOptionError, BackendUnavailableError, NotificationError
 from kvtransport.notify import NotificationReceiver, NotificationSender, new_notification_key
 from kvtransport.spi import Availability, Backend, Capabilities, LocalRegion, Scope
 
@@ -217,7 +217,10 @@ class MoriioBackend(PeerManagement, DataPath, Backend):
         return msgs
 
     def send_notification(self, peer: Any, payload: bytes) -> None:
-        self._outboxes[peer.notify_address].send(payload)
+        box = self._outboxes.get(peer.notify_address) if peer.current else None
+        if box is None:
+            raise NotificationError(f"peer {peer.name!r} is no longer connected to this moriio agent")
+        box.send(payload)
         self._stats["notifications_sent"] += 1
 
     # ------------------------------------------------------------------ introspection
