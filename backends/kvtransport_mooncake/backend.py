@@ -69,9 +69,14 @@ class MooncakeBackend(Backend):
         if not av.usable:
             raise BackendUnavailableError(self.name, av.reason, av.install_hint)
         self._me = P.load_engine_module()
-        self._engine = self._me.TransferEngine()
         o = self.opts
-        rc = self._engine.initialize(o.hostname, "P2PHANDSHAKE", o.protocol, o.device_name)
+        if o.protocol == "rdma" and not P.rdma_devices(self._me, o.device_name):
+            raise BackendUnavailableError(
+                self.name, "protocol='rdma' but Mooncake finds no RDMA device"
+                + (f" matching device_name={o.device_name!r}" if o.device_name else "") + " on this host",
+                "use protocol='tcp', or install the NIC's verbs provider (rdma-core)")
+        self._engine = self._me.TransferEngine()
+        rc = P.initialize(self._engine, o.hostname, o.protocol, o.device_name)
         if rc != 0:
             raise BackendUnavailableError(
                 self.name, f"Mooncake Transfer Engine did not initialise (hostname={o.hostname!r}, "

@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
+import os
+import threading
+from typing import Any
 
 from kvtransport.spi import Availability
 
@@ -49,7 +53,7 @@ def probe() -> Availability:
         return Availability(False, why, "install mooncake-transfer-engine-non-cuda 0.3.13 (the version tested)")
     try:
         engine = me.TransferEngine()
-        rc = engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+        rc = initialize(engine, "127.0.0.1", "tcp", "")
         del engine
     except Exception as exc:  # a probe must not raise
         return Availability(False, f"a Mooncake Transfer Engine cannot be created: {type(exc).__name__}: {exc}")
@@ -58,3 +62,39 @@ def probe() -> Availability:
                                    f"127.0.0.1): initialize() returned {rc}; see Mooncake's log on stderr "
                                    "(free TCP ports in MC_MIN_RPC_PORT..MC_MAX_RPC_PORT are needed)")
     return Availability(True)
+
+
+def rdma_devices(me: Any, device_name: str) -> list[str]:
+    """RDMA devices Mooncake's topology discovery finds (filtered by ``device_name``)."""
+    try:
+        topo = json.loads(me.TransferEngine().get_local_topology(device_name or None))
+    except Exception:  # no topology: no devices
+        return []
+    return sorted({hca for entry in topo.values() for group in entry for hca in group})
+
+
+_ENV_LOCK = threading.Lock()
+
+
+def initialize(engine: Any, hostname: str, protocol: str, device_name: str) -> int:
+    """``engine.initialize`` with the transport actually chosen.
+
+    The binding ignores its ``protocol`` argument when choosing the transport: Mooncake
+    installs RDMA when topology discovery finds an RDMA device and TCP otherwise, unless
+    ``MC_FORCE_TCP`` is set (read during ``initialize``). So ``protocol='tcp'`` sets it for
+    the duration of the call (and restores it), and ``'rdma'`` is only used after
+    :func:`rdma_devices` found a device.
+    """
+    with _ENV_LOCK:
+        old = os.environ.get("MC_FORCE_TCP")
+        if protocol == "tcp":
+            os.environ["MC_FORCE_TCP"] = "1"
+        else:
+            os.environ.pop("MC_FORCE_TCP", None)
+        try:
+            return engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
+        finally:
+            if old is None:
+                os.environ.pop("MC_FORCE_TCP", None)
+            else:
+                os.environ["MC_FORCE_TCP"] = old
