@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import kvtransport as kvt
+from kvtransport import errors
 from kvtransport.testing.peer import ChildProcessPeer, pattern
 from kvtransport.testing.required import skip_unless_usable
 
@@ -100,4 +101,58 @@ def test_killed_peer_mid_transfer_fails_by_deadline_quiesces_and_another_peer_is
     finally:
         victim.close()
         healthy.close()
+        local.close()
+
+
+def test_deadline_fails_an_in_flight_transfer_and_memory_waits_for_quiescence():
+    """A READ far larger than its deadline allows: the core fails it at the deadline; Mooncake
+    cannot withdraw submitted batches, so the transfer stays unquiesced (its region cannot be
+    deregistered) until every task ended -- then the bytes stop changing."""
+    big = 64 << 20
+    local = kvt.open("mooncake", name="mc-deadline-local")
+    far = ChildProcessPeer("mooncake", {}, "mc-deadline-far", big, seed=8)
+    try:
+        buf = np.zeros(big, np.uint8)
+        region = local.register(buf)
+        peer = local.connect(far.metadata())
+        offs = np.arange(big // BLOCK) * BLOCK
+        lens = np.full(offs.size, BLOCK)
+        t = local.read(peer, region.segments(offs, lens),
+                       peer.region(far.region_id).segments(offs[::-1].copy(), lens), timeout=0.02)
+        st = t.wait(30)
+        assert st.state is kvt.State.FAILED and "deadline" in st.reason, st
+        if not st.quiesced:  # batches were still with Mooncake when the deadline passed
+            with pytest.raises(errors.KVTransportError, match="quiesced"):
+                local.deregister(region)
+        limit = time.monotonic() + 60
+        while not t.status().quiesced and time.monotonic() < limit:
+            time.sleep(0.01)
+        assert t.status().quiesced
+        snapshot = buf.copy()
+        # Nothing lands after quiescence: a sentinel transfer on the same connection
+        # completes after anything still queued would have.
+        one = local.read(peer, region.segments([0], [1]), peer.region(far.region_id).segments([0], [1]))
+        assert one.wait(30).ok
+        snapshot[0] = buf[0]
+        assert np.array_equal(buf, snapshot)
+        one.release()
+        t.release()
+        local.deregister(region)
+    finally:
+        far.close()
+        local.close()
+
+
+def test_standalone_notification_to_a_killed_peer_is_refused():
+    local = kvt.open("mooncake", name="mc-notify-local")
+    far = ChildProcessPeer("mooncake", {}, "mc-notify-far", SIZE, seed=9)
+    try:
+        peer = local.connect(far.metadata())
+        local.send_notification(peer, b"before")
+        assert far.notifications(1, 30) == [("mc-notify-local", b"before")]
+        far.kill()
+        with pytest.raises(errors.NotificationError, match="gone"):
+            local.send_notification(peer, b"after")
+    finally:
+        far.close()
         local.close()
