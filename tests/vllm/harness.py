@@ -164,6 +164,9 @@ class Engine:
         self.free0 = self.free_blocks()
         self.outputs: list[Any] = []
         self.scheduled_log: list[set[str]] = []
+        #: request id -> number of tokens already computed when it was first scheduled
+        #: (0: a full prefill here, nothing taken from a remote load)
+        self.first_start: dict[str, int] = {}
         self.kv_outputs: list[KVConnectorOutput] = []
         #: requests the stand-in runner emits no row for (the seed's failure shape)
         self.no_row: Callable[[str], bool] = lambda rid: False
@@ -207,6 +210,8 @@ class Engine:
         self.scheduled_log.append(set(so.num_scheduled_tokens))
         self._before = {rid: self.scheduler.requests[rid].num_computed_tokens - n
                         for rid, n in so.num_scheduled_tokens.items()}
+        for rid, start in self._before.items():
+            self.first_start.setdefault(rid, start)
         w = self.worker
         w.bind_connector_metadata(so.kv_connector_metadata)
         w.start_load_kv(None)

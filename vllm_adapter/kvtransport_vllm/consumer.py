@@ -65,6 +65,11 @@ class PeerConn:
     hello_cid: int = 0
     last_hello: float = 0.0
     engine_name: str = ""  # the producer worker we hand-shook with
+    failed_at: float = 0.0  # when the hand-shake last failed
+
+    def fail(self, error: str) -> None:
+        self.state, self.error, self.failed_at = "failed", error, time.monotonic()
+        log.error("%s", error)
 
 
 @dataclass
@@ -141,23 +146,18 @@ class Consumer:
         assert self.ctx.layout is not None
         diff = self.ctx.layout.mismatch(msg.layout)
         if diff:
-            p.state, p.error = "failed", (
-                f"KV layout mismatch with producer {msg.engine_id} at {p.host}:{p.port}: {diff}. "
-                "Both engines must serve the same model with the same dtype, block size and TP size."
-            )
-            log.error("%s", p.error)
+            p.fail(f"KV layout mismatch with producer {msg.engine_id} at {p.host}:{p.port}: {diff}. "
+                   "Both engines must serve the same model with the same dtype, block size and TP size.")
             return
         try:
             peer = self.ctx.agent.connect(msg.agent_md)
         except kvt.errors.KVTransportError as exc:
-            p.state, p.error = "failed", f"cannot connect to {msg.engine_id}: {exc}"
-            log.error("%s", p.error)
+            p.fail(f"cannot connect to {msg.engine_id}: {exc}")
             return
         try:
             layouts = remote_layouts(peer, msg.layout)
         except kvt.errors.KVTransportError as exc:
-            p.state, p.error = "failed", f"producer {msg.engine_id} declared an unusable layout: {exc}"
-            log.error("%s", p.error)
+            p.fail(f"producer {msg.engine_id} declared an unusable layout: {exc}")
             return
         p.kvt_peer, p.layouts, p.state, p.error = peer, layouts, "ready", ""
         p.engine_name = msg.engine_id
@@ -171,8 +171,7 @@ class Consumer:
                     if isinstance(msg, Welcome):
                         self._on_welcome(p, msg)
                     elif isinstance(msg, Error):
-                        p.state, p.error = "failed", f"producer {p.host}:{p.port} refused hand-shake: {msg.message}"
-                        log.error("%s", p.error)
+                        p.fail(f"producer {p.host}:{p.port} refused hand-shake: {msg.message}")
                     continue
                 out.append(msg)
         return out
@@ -230,9 +229,11 @@ class Consumer:
             self._start_giving_up(r)
             return
         p = self.peer(job.host, job.port)
-        if (p.state in ("ready", "failed") and job.remote_engine_id
+        if ((p.state == "ready" or (p.state == "failed" and p.failed_at < r.started)) and job.remote_engine_id
                 and p.engine_name != f"{job.remote_engine_id}-tp{self.ctx.tp_rank}"):
-            # another producer now answers at this address (restarted): hand-shake again
+            # another producer now answers at this address (restarted), or the hand-shake
+            # failed before this load began: hand-shake again (once per load: a hand-shake
+            # that fails during this load ends it with the reason, not by its deadline)
             p.state = "new"
             p = self.peer(job.host, job.port)
         if p.state == "failed":
