@@ -1,0 +1,124 @@
+"""Finding NIXL and its plugins, and saying precisely why the backend cannot run.
+
+The NIXL Python API ships in a CUDA-flavoured wheel (``nixl-cu12`` -> module ``nixl_cu12``)
+with its plugins and its own UCX bundled; the ``nixl`` meta package only picks one of those
+wheels. We import the flavoured module directly (the meta package may import torch to
+learn the CUDA version, a second of start-up for nothing on a CPU host).
+
+Plugin facts (names, init parameters, memory kinds) come from a throw-away NIXL agent
+created once per process, without a progress thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+from kvtransport.spi import Availability
+
+INSTALL_HINT = "pip install 'kvtransport[nixl]'  (installs nixl-cu12, which bundles its plugins and UCX)"
+#: Flavoured wheels first (no torch import), the meta package last.
+_MODULES = ("nixl_cu12", "nixl_cu13", "nixl_rocm", "nixl")
+_lock = threading.Lock()
+
+
+@functools.cache
+def load_nixl() -> tuple[ModuleType | None, str]:
+    """The NIXL API module, or None and why not (each module tried, with its error)."""
+    errors = []
+    for name in _MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except Exception as exc:  # ImportError, or a broken install raising anything else
+            errors.append(f"{name}: {type(exc).__name__}: {exc}")
+            continue
+        if hasattr(mod, "nixl_agent"):
+            _quiet_logging()
+            return mod, ""
+        errors.append(f"{name}: has no nixl_agent")
+    return None, "; ".join(errors)
+
+
+def _quiet_logging() -> None:
+    """NIXL's Python logger prints INFO lines (one per agent) to *stdout*, which would mix
+    into a program's output (``kvtransport backends --json``). Keep warnings unless the
+    user chose a level with NIXL's own ``NIXL_LOG_LEVEL``."""
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+
+
+def nixl() -> ModuleType:
+    mod, why = load_nixl()
+    if mod is None:
+        raise ImportError(f"NIXL is not installed ({why})")
+    return mod
+
+
+@dataclass
+class PluginInfo:
+    """What the installed NIXL offers: plugin names, and per queried plugin its init
+    parameters with defaults and the memory segment kinds it handles."""
+
+    plugins: list[str]
+    agent: Any = None
+    params: dict[str, dict[str, str]] = field(default_factory=dict)
+    mem_types: dict[str, list[str]] = field(default_factory=dict)
+
+    def describe(self, plugin: str) -> tuple[dict[str, str], list[str]] | None:
+        """(init parameters, memory kinds) of ``plugin``; None if NIXL cannot load it."""
+        with _lock:
+            if plugin not in self.params:
+                try:
+                    p, m = self.agent.agent.getPluginParams(plugin)
+                except Exception:
+                    return None
+                self.params[plugin], self.mem_types[plugin] = dict(p), list(m)
+            return self.params[plugin], self.mem_types[plugin]
+
+
+@functools.cache
+def plugin_info() -> PluginInfo:
+    """Plugin facts from a probe agent (raises what NIXL raises when it cannot start one)."""
+    m = nixl()
+    cfg = m.nixl_agent_config(enable_prog_thread=False, backends=[])
+    agent = m.nixl_agent(f"kvt-probe-{os.getpid()}", cfg)
+    return PluginInfo(list(agent.get_plugin_list()), agent)
+
+
+def _plugin_dir() -> str:
+    return os.environ.get("NIXL_PLUGIN_DIR", "(unset: the wheel's bundled plugins)")
+
+
+@functools.cache
+def probe() -> Availability:
+    """Can the backend run here with its default plugin (UCX) on CPU memory?"""
+    mod, why = load_nixl()
+    if mod is None:
+        return Availability(False, f"NIXL is not installed (tried {why})", INSTALL_HINT)
+    try:
+        info = plugin_info()
+    except Exception as exc:
+        return Availability(False, f"NIXL cannot start an agent: {type(exc).__name__}: {exc} "
+                                   f"(NIXL_PLUGIN_DIR={_plugin_dir()})", INSTALL_HINT)
+    if "UCX" not in info.plugins:
+        return Availability(False, f"NIXL has no UCX plugin (plugins found: {info.plugins or 'none'}; "
+                                   f"NIXL_PLUGIN_DIR={_plugin_dir()})", INSTALL_HINT)
+    desc = info.describe("UCX")
+    if desc is None:
+        return Availability(False, "NIXL's UCX plugin is present but cannot be loaded "
+                                   f"(NIXL_PLUGIN_DIR={_plugin_dir()})", INSTALL_HINT)
+    if "DRAM_SEG" not in desc[1]:
+        return Availability(False, f"NIXL's UCX plugin does not handle CPU memory (it reports {desc[1]})",
+                            INSTALL_HINT)
+    return Availability(True)
+
+
+def has_gpu() -> bool:
+    """Whether an NVIDIA GPU device node exists (VRAM registration is only offered then)."""
+    return os.path.exists("/dev/nvidiactl") and os.path.exists("/dev/nvidia0")
