@@ -6,15 +6,21 @@ data; and the split really happens (each lane carried bytes)."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
 import kvtransport as kvt
 from kvtransport.errors import BackendOptionError
 from kvtransport_ucx._transfers import cut as _cut
-from ucx_helpers import TLS_OPTIONS, PeerProcess, expected_bytes, sha, skip_unless_ucx_usable
+from ucx_helpers import (
+    SENTINEL,
+    TLS_OPTIONS,
+    PeerProcess,
+    expected_bytes,
+    notes_until,
+    sha,
+    skip_unless_ucx_usable,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -95,13 +101,8 @@ def test_split_transfer_in_one_process_is_byte_exact(tls, lanes, op):
         per_lane = i.describe()["bytes_per_lane"]
         assert len(per_lane) == lanes and all(b > 0 for b in per_lane), per_lane
         assert sum(per_lane) == int(ln.sum())
-        got = []
-        for _ in range(200):
-            got += t.notifications()
-            if got:
-                break
-            time.sleep(0.01)
-        assert [(m.peer, m.payload) for m in got] == [(i.name, b"all-lanes-done")]
+        i.send_notification(p, SENTINEL)  # after the transfer's: arrives after it
+        assert notes_until(t) == [(i.name, b"all-lanes-done"), (i.name, SENTINEL)]
     finally:
         i.close()
         t.close()
@@ -131,7 +132,8 @@ def test_split_transfer_across_processes_is_byte_exact(opts, op):
             buf[:] = np.random.default_rng(4).integers(0, 256, size, dtype=np.uint8)
             t = agent.write(p, region.segments(dst, ln), p.regions[0].segments(src, ln), notify=b"w", timeout=60)
             assert t.wait().ok
-            assert peer.call(cmd="notifications", wait=2)["notes"] == [["lanes-local", b"w".hex()]]
+            agent.send_notification(p, SENTINEL)
+            assert peer.notes_until() == [["lanes-local", b"w".hex()], ["lanes-local", SENTINEL.hex()]]
             got = peer.call(cmd="sha", offsets=src.tolist(), lengths=ln.tolist())
             assert got["sha"] == sha(buf, dst, ln)
     finally:
@@ -157,14 +159,10 @@ def test_agents_with_different_lane_counts_interoperate(mine, theirs):
         y[:] = rng.integers(0, 256, size, dtype=np.uint8)
         assert b.write(pb, rb.segments(*seg), pb.region(ra.id).segments(*seg), notify=b"w2").wait().ok
         assert np.array_equal(x, y)
-        got_b, got_a = [], []
-        for _ in range(200):
-            got_b += b.notifications()
-            got_a += a.notifications()
-            if got_a and got_b:
-                break
-            time.sleep(0.01)
-        assert [n.payload for n in got_b] == [b"w"] and [n.payload for n in got_a] == [b"w2"]
+        a.send_notification(pa, SENTINEL)
+        b.send_notification(pb, SENTINEL)
+        assert [p for _, p in notes_until(b)] == [b"w", SENTINEL]
+        assert [p for _, p in notes_until(a)] == [b"w2", SENTINEL]
     finally:
         a.close()
         b.close()

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 import netns_helpers
-from ucx_helpers import PeerProcess, expected_bytes, sha, skip_unless_ucx_usable
+from ucx_helpers import SENTINEL, PeerProcess, expected_bytes, sha, skip_unless_ucx_usable
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,12 +48,14 @@ def test_agents_in_two_namespaces_move_bytes_over_veth(veth_namespaces):
         assert ans["state"] == "DONE", ans
         assert a.call(cmd="sha", offsets=[i * BLOCK for i in range(16)], lengths=[BLOCK] * 16)["sha"] == \
             sha(theirs, src, [BLOCK] * 16)
-        assert b.call(cmd="notifications", wait=1)["notes"] == [["ns-a", b"pulled".hex()]]
+        assert a.call(cmd="notify", payload=SENTINEL.hex()) == {"ok": True}
+        assert b.notes_until() == [["ns-a", b"pulled".hex()], ["ns-a", SENTINEL.hex()]]
         # a WRITEs its last 32 blocks (still its original bytes) into b's blocks 64..95
         ans = a.call(cmd="write", local=[[(96 + i) * BLOCK, BLOCK] for i in range(32)],
                      remote=[[(64 + i) * BLOCK, BLOCK] for i in range(32)], notify=b"pushed".hex())
         assert ans["state"] == "DONE", ans
-        assert b.call(cmd="notifications", wait=1)["notes"] == [["ns-a", b"pushed".hex()]]
+        assert a.call(cmd="notify", payload=SENTINEL.hex()) == {"ok": True}
+        assert b.notes_until() == [["ns-a", b"pushed".hex()], ["ns-a", SENTINEL.hex()]]
         assert b.call(cmd="sha", offsets=[64 * BLOCK], lengths=[32 * BLOCK])["sha"] == \
             sha(mine, [96 * BLOCK], [32 * BLOCK])
         # The bytes really crossed the veth link (READ payload arrives on a's side).

@@ -1,6 +1,11 @@
-"""Killing a peer process mid-transfer fails its transfers well before their deadline (the
-backend detects it: tcp endpoint error, or the pid liveness check for shared memory), and
-the surviving agent keeps serving another peer in both directions."""
+"""Killing a peer process mid-transfer fails its transfers before their deadline (the backend
+detects it: tcp endpoint error, or the pid liveness check for shared memory), and the
+surviving agent keeps serving another peer in both directions.
+
+"Before the deadline" is checked as facts the core records, not with a stopwatch: the
+reason names the peer's failure (not the deadline) and the transfer's ``finished_at`` is
+earlier than its ``deadline``. How fast the failure is noticed is measured in
+bench/test_bench_ucx_timing.py."""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import numpy as np
 import pytest
 
 import kvtransport as kvt
-from ucx_helpers import TLS_OPTIONS, PeerProcess, expected_bytes, skip_unless_ucx_usable
+from ucx_helpers import SENTINEL, TLS_OPTIONS, PeerProcess, expected_bytes, notes_until, skip_unless_ucx_usable
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -33,7 +38,6 @@ def test_killed_peer_fails_transfers_before_deadline_and_agent_survives(opts, op
         assert victim.call(cmd="connect", md=agent.metadata().hex()) == {"ok": True}
         fn = agent.read if op == "read" else agent.write
         theirs = expected_bytes(SIZE, 11)
-        t0 = time.monotonic()
         ts: list = []
         snapshot: dict = {}
 
@@ -57,20 +61,19 @@ def test_killed_peer_fails_transfers_before_deadline_and_agent_survives(opts, op
             if not st.ok and "at" in snapshot:
                 break
         killer.join()
-        ended = time.monotonic()
-        killed_at = snapshot["at"]
-        failed = [s for s in states if not s.ok]
+        failed = [(t, s) for t, s in zip(ts, states) if not s.ok]
         assert failed, "no transfer failed although the peer was killed mid-transfer"
-        # Detected by the backend, not by the core's deadline.
-        assert ended - killed_at < TIMEOUT / 2, f"failures took {ended - killed_at:.1f}s after the kill"
-        for s in failed:
-            assert "deadline" not in s.reason, s.reason
+        # Detected by the backend (the reason names the peer's failure), not by the core's
+        # deadline, and ended before that deadline by the core's own clock.
+        for t, s in failed:
+            assert "deadline" not in s.reason and "victim" in s.reason, s.reason
+            assert t.finished_at < t.deadline, (t.finished_at, t.deadline)
             assert s.quiesced, f"failed transfer not quiesced: {s}"
-        # A new transfer to the dead peer fails at once instead of hanging.
+        # A new transfer to the dead peer fails instead of hanging until its deadline.
         late = fn(pv, region.segments([0], [4096]), pv.regions[0].segments([0], [4096]), timeout=TIMEOUT)
         st = late.wait()
-        assert not st.ok and "deadline" not in st.reason, st
-        assert time.monotonic() - t0 < TIMEOUT
+        assert not st.ok and "deadline" not in st.reason and "victim" in st.reason, st
+        assert late.finished_at < late.deadline
 
         # The survivor keeps serving another peer, both as initiator and as target.
         other = PeerProcess("other", 1 << 20, seed=12, options=opts)
@@ -83,12 +86,8 @@ def test_killed_peer_fails_transfers_before_deadline_and_agent_survives(opts, op
         ans = other.call(cmd="write", local=[[0, 8192]], remote=[[1 << 21, 8192]], notify=b"still here".hex())
         assert ans["state"] == "DONE", ans
         assert np.array_equal(buf[1 << 21 : (1 << 21) + 8192], expected_bytes(1 << 20, 12)[:8192])
-        deadline = time.monotonic() + 5
-        notes: list = []
-        while not notes and time.monotonic() < deadline:
-            notes = agent.notifications()
-            time.sleep(0.005)
-        assert [(n.peer, n.payload) for n in notes] == [("other", b"still here")]
+        assert other.call(cmd="notify", payload=SENTINEL.hex()) == {"ok": True}
+        assert notes_until(agent) == [("other", b"still here"), ("other", SENTINEL)]
     finally:
         if other is not None:
             other.close()

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,23 @@ def skip_unless_ucx_usable() -> None:
     info = {b.name: b for b in kvt.available_backends()}
     if "ucx" not in info or not info["ucx"].usable:
         pytest.skip(f"ucx backend not usable here: {info.get('ucx') and info['ucx'].reason}")
+
+
+#: Sent after the notifications a test expects: once it arrived, everything sent before it
+#: (on the same lane-0 endpoint, which keeps order) has arrived too.
+SENTINEL = b"sentinel: nothing more before me"
+
+
+def notes_until(agent: kvt.Agent, sentinel: bytes = SENTINEL, limit_s: float = 30.0) -> list[tuple[str, bytes]]:
+    """(sender, payload) of every notification ``agent`` receives until ``sentinel`` arrived.
+
+    ``limit_s`` only bounds a broken run; the test's verdict is the list itself."""
+    got: list[tuple[str, bytes]] = []
+    deadline = time.monotonic() + limit_s
+    while not any(p == sentinel for _, p in got) and time.monotonic() < deadline:
+        got += [(n.peer, n.payload) for n in agent.notifications()]
+        time.sleep(0.002)
+    return got
 
 
 def expected_bytes(size: int, seed: int) -> np.ndarray:
@@ -64,6 +82,10 @@ class PeerProcess:
         self.proc.stdin.write(json.dumps(msg) + "\n")
         self.proc.stdin.flush()
         return self._read()
+
+    def notes_until(self, sentinel: bytes = SENTINEL) -> list[list[str]]:
+        """[sender, payload hex] of the notifications the peer received until ``sentinel``."""
+        return self.call(cmd="notifications", until=sentinel.hex())["notes"]
 
     def kill(self) -> None:
         self.proc.kill()

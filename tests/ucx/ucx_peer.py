@@ -8,7 +8,11 @@ Commands (one JSON object per line, one JSON answer per line):
 * ``{"cmd": "sha", "offsets": [...], "lengths": [...]}`` -> sha256 of those bytes, concatenated
 * ``{"cmd": "write"|"read", "local": [[off, len], ...], "remote": [[off, len], ...],
   "notify": hex|null}`` -> the transfer is run against the connected peer's region 0 -> state
-* ``{"cmd": "notifications", "wait": n}`` -> waits up to 5 s for n messages, returns them (hex)
+* ``{"cmd": "notifications", "until": hex}`` -> waits (up to 30 s) until a notification with
+  that payload arrived, returns every one received so far, in order (hex). Callers send that
+  payload as a sentinel *after* what they expect, so anything extra (a duplicate, a stray
+  message) sent before the sentinel shows up in the answer: no sleep decides "nothing more".
+* ``{"cmd": "notify", "payload": hex}`` -> a standalone notification to the connected peer
 * ``{"cmd": "quit"}``
 """
 
@@ -58,13 +62,17 @@ def main() -> None:
             st = t.wait()
             ans = {"state": st.state.value, "reason": st.reason}
         elif cmd == "notifications":
-            deadline = time.monotonic() + 5
-            while len(inbox) < msg.get("wait", 0) and time.monotonic() < deadline:
+            until = bytes.fromhex(msg["until"])
+            deadline = time.monotonic() + 30  # a bound, not a timing check: the caller compares lists
+            while not any(n.payload == until for n in inbox) and time.monotonic() < deadline:
                 inbox.extend(agent.notifications())
                 time.sleep(0.005)
-            inbox.extend(agent.notifications())
             ans = {"notes": [[n.peer, n.payload.hex()] for n in inbox]}
             inbox = []
+        elif cmd == "notify":
+            assert peer is not None
+            agent.send_notification(peer, bytes.fromhex(msg["payload"]))
+            ans = {"ok": True}
         elif cmd == "quit":
             break
         else:
