@@ -111,3 +111,10 @@ def test_malformed_loopback_blob_refused(child):
                 a.connect(md.encode_metadata(msgspec.structs.replace(m, blob=blob)))
         with pytest.raises(errors.PeerMetadataError, match="non-ipc"):
             a.connect(_with_blob(good, notify_addr="tcp://10.0.0.1:5555"))
+        # A blob without a notification key (kvtransport before authenticated
+        # notifications): we could not seal anything it would accept. Refused, saying so.
+        m_old = md.decode_metadata(good)
+        four = msgspec.msgpack.encode(msgspec.msgpack.decode(m_old.blob)[:4])
+        with pytest.raises(errors.PeerMetadataError, match="no notification key"):
+            a.connect(md.encode_metadata(msgspec.structs.replace(m_old, blob=four)))
+        assert a.peers == {}

@@ -144,6 +144,11 @@ def test_metadata_round_trip_registers_remote_engine_fake_mori(fake_io):
             ),
             "no valid mori MemoryDesc",
         ),
+        (  # a blob from before authenticated notifications: nothing we seal would be accepted
+            lambda blob, regions: (msgspec.msgpack.encode(list(msgspec.msgpack.decode(encode_agent_blob(blob)))[:5]),
+                                   regions),
+            "no notification key",
+        ),
     ],
 )
 def test_bad_peer_metadata_is_a_typed_error_fake_mori(fake_io, mutate, match):
