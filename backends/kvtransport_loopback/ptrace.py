@@ -41,7 +41,7 @@ from collections.abc import Callable
 
 from kvtransport.process_identity import ProcessIdentity
 
-__all__ = ["Grant", "PtracerPolicy", "set_ptracer", "yama_scope", "GRANT_MODES"]
+__all__ = ["Grant", "PtracerPolicy", "PtracerSlot", "PROCESS_SLOT", "set_ptracer", "yama_scope", "GRANT_MODES"]
 
 log = logging.getLogger(__name__)
 
@@ -81,25 +81,40 @@ class Grant(enum.Enum):
     ANY = "granted to any process (ptrace_grant='any')"
 
 
+class PtracerSlot:
+    """The one ptracer a process can name. PR_SET_PTRACER is per process, so every agent
+    of a process must share one slot (:data:`PROCESS_SLOT`): an agent that believed it
+    had named its peer after another agent of the process named someone else would
+    never re-grant it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.current: ProcessIdentity | None = None  # None: nobody named, or ANY
+        self.any_granted = False
+
+
+#: The slot of this process; tests of the decisions pass a fresh :class:`PtracerSlot`.
+PROCESS_SLOT = PtracerSlot()
+
+
 class PtracerPolicy:
     """Decides which process this one names as its ptracer; thread-safe.
 
     ``scope`` is the Yama scope read once at open; ``prctl`` (default: this module's
     :func:`set_ptracer`, looked up at call time) is the seam the tests replace to observe
-    decisions on kernels without Yama.
+    decisions on kernels without Yama; ``slot`` is the process's ptracer slot, shared by
+    every agent of the process.
     """
 
     def __init__(self, scope: int | None, mode: str = "peer",
-                 prctl: Callable[[int], None] | None = None) -> None:
+                 prctl: Callable[[int], None] | None = None, slot: PtracerSlot | None = None) -> None:
         if mode not in GRANT_MODES:
             raise ValueError(f"ptrace_grant must be one of {GRANT_MODES}, got {mode!r}")
         self.scope = scope
         self.mode = mode
         self._prctl = prctl
-        self._lock = threading.Lock()
-        self.current: ProcessIdentity | None = None  # None: nobody named (or ANY)
-        self.any_granted = False
-        self.grants = 0  # prctl calls made
+        self.slot = slot or PROCESS_SLOT
+        self.grants = 0  # prctl calls made by this policy (this agent)
 
     @property
     def needs_grant(self) -> bool:
@@ -107,26 +122,27 @@ class PtracerPolicy:
         return self.scope == 1
 
     def on_attach_request(self, requester: ProcessIdentity) -> Grant:
-        with self._lock:
-            if self.scope is None or self.scope == 0:
-                return Grant.NOT_NEEDED
-            if self.scope >= 2:
-                return Grant.IMPOSSIBLE
-            if requester.is_alive() is not True:
-                log.warning("loopback: attach request from pid %d refused: %s", requester.pid, Grant.REFUSED.value)
-                return Grant.REFUSED
+        if self.scope is None or self.scope == 0:
+            return Grant.NOT_NEEDED
+        if self.scope >= 2:
+            return Grant.IMPOSSIBLE
+        if requester.is_alive() is not True:
+            log.warning("loopback: attach request from pid %d refused: %s", requester.pid, Grant.REFUSED.value)
+            return Grant.REFUSED
+        slot = self.slot
+        with slot.lock:
             if self.mode == "any":
-                if self.any_granted:
+                if slot.any_granted:
                     return Grant.ALREADY
                 log.warning("loopback: ptrace_grant='any': any process of this user may now attach to this "
                             "process (PR_SET_PTRACER_ANY); use the default 'peer' unless many peers copy at once")
                 (self._prctl or set_ptracer)(PR_SET_PTRACER_ANY)
-                self.any_granted = True
+                slot.any_granted, slot.current = True, None
                 self.grants += 1
                 return Grant.ANY
-            if self.current == requester:
+            if slot.current == requester and not slot.any_granted:
                 return Grant.ALREADY
             (self._prctl or set_ptracer)(requester.pid)
-            self.current = requester
+            slot.current, slot.any_granted = requester, False
             self.grants += 1
             return Grant.GRANTED

@@ -138,10 +138,10 @@ def test_policy_grants_only_under_scope_1_and_to_the_requester(children, caplog)
     for scope, outcome in ((None, pt.Grant.NOT_NEEDED), (0, pt.Grant.NOT_NEEDED),
                            (2, pt.Grant.IMPOSSIBLE), (3, pt.Grant.IMPOSSIBLE)):
         calls: list[int] = []
-        policy = pt.PtracerPolicy(scope, prctl=calls.append)
+        policy = pt.PtracerPolicy(scope, prctl=calls.append, slot=pt.PtracerSlot())
         assert policy.on_attach_request(c1.identity()) is outcome and calls == []
     calls = []
-    policy = pt.PtracerPolicy(1, prctl=calls.append)
+    policy = pt.PtracerPolicy(1, prctl=calls.append, slot=pt.PtracerSlot())
     assert policy.needs_grant
     assert policy.on_attach_request(c1.identity()) is pt.Grant.GRANTED
     assert policy.on_attach_request(c1.identity()) is pt.Grant.ALREADY  # no redundant prctl
@@ -158,8 +158,20 @@ def test_policy_grants_only_under_scope_1_and_to_the_requester(children, caplog)
     assert policy.on_attach_request(ident) is pt.Grant.REFUSED
     assert calls == [c1.pid, c2.pid, c1.pid]
     # ANY only when asked for, once, with a warning.
+    # Two agents of one process share its single ptracer slot: when the other agent named
+    # someone else, this one re-grants its peer instead of believing it still holds it.
+    slot, calls = pt.PtracerSlot(), []
+    x = pt.PtracerPolicy(1, prctl=calls.append, slot=slot)
+    y = pt.PtracerPolicy(1, prctl=calls.append, slot=slot)
+    assert x.on_attach_request(c1.identity()) is pt.Grant.GRANTED
+    assert y.on_attach_request(c1.identity()) is pt.Grant.ALREADY  # the process already names c1
+    c3 = children(SLEEPER)
+    c3.expect("UP")
+    assert y.on_attach_request(c3.identity()) is pt.Grant.GRANTED
+    assert x.on_attach_request(c1.identity()) is pt.Grant.GRANTED
+    assert calls == [c1.pid, c3.pid, c1.pid]
     calls = []
-    policy = pt.PtracerPolicy(1, mode="any", prctl=calls.append)
+    policy = pt.PtracerPolicy(1, mode="any", prctl=calls.append, slot=pt.PtracerSlot())
     with caplog.at_level(logging.WARNING, logger="kvtransport_loopback.ptrace"):
         assert policy.on_attach_request(c1.identity()) is pt.Grant.ANY
     assert policy.on_attach_request(c1.identity()) is pt.Grant.ALREADY
