@@ -101,8 +101,8 @@ def _authenticator(key: bytes) -> Authenticator:
 class NotificationReceiver:
     """A PULL socket bound on ``endpoint`` that delivers only authenticated messages.
 
-    ``endpoint`` is ``ipc:///path`` (bound as is) or ``tcp://host`` (a free port is
-    chosen); :attr:`address` is what senders connect to. ``key`` is this receiver's
+    ``endpoint`` is ``ipc:///path`` (bound as is), ``tcp://host`` (a free port is
+    chosen) or ``tcp://host:port``; :attr:`address` is what senders connect to. ``key`` is this receiver's
     key (:func:`new_notification_key`), exported in the backend's metadata blob.
     """
 
@@ -121,7 +121,7 @@ class NotificationReceiver:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, _MAX_FRAME_BYTES)
         try:
-            if endpoint.startswith("tcp://") and endpoint.count(":") == 1:
+            if endpoint.startswith("tcp://") and not endpoint.rsplit(":", 1)[-1].isdigit():  # no port given
                 port = sock.bind_to_random_port(endpoint)
                 self.address = f"{endpoint}:{port}"
             else:
