@@ -7,7 +7,8 @@ socket of the test, which captures every genuine frame and forwards it on one PU
 to the receiver's real endpoint. On that same socket the test, playing a local process
 that found the endpoint, sends (a) unsealed notifications (the wire format accepted before
 notifications were authenticated), (b) one sealed with a key of its own, (c) a replay of a
-captured genuine completion frame; then it forwards a genuine frame the sender made after
+captured genuine completion frame, (d) a frame sealed with the right key a minute ago (a
+capture replayed after the replay window); then it forwards a genuine frame the sender made after
 all of them, the sentinel. One socket keeps its order, so when the sentinel has been
 delivered every forged frame was processed before it: it is delivered, they are not, and
 each is counted as a refusal. The controls show the forged frames are well formed: a
@@ -84,10 +85,25 @@ def _drain_until(get, payload: bytes, timeout_s: float = 10.0) -> list[tuple[str
     return out
 
 
-def _run_forgery(tap: Tap, captured: bytes, make_sentinel) -> None:
+def _stale_frame(key: bytes, monkeypatch) -> bytes:
+    """What a frame captured 60 s ago looks like (sealed with the right key, then; a nonce
+    never seen): a replay from outside the replay window, refused as stale."""
+    import time
+
+    import kvtransport.auth as auth_mod
+
+    body = msgspec.msgpack.encode((1, "n", "sender", b"captured a minute ago"))
+    with monkeypatch.context() as m:
+        now = time.time()
+        m.setattr(auth_mod.time, "time", lambda: now - 60)
+        return Authenticator(key, CHANNEL).seal(body)
+
+
+def _run_forgery(tap: Tap, captured: bytes, stale: bytes, make_sentinel) -> None:
     for frames in _forged_frames().values():  # (a) and (b)
         tap.send(frames)
     tap.send([captured])  # (c) replay of a genuine completion, already delivered once
+    tap.send([stale])  # (d) replay from outside the window
     make_sentinel()
     tap.send([tap.capture()])  # the sentinel: genuine, after every forged frame on this socket
 
@@ -100,7 +116,7 @@ def _loopback_meta_via(meta: bytes, notify_addr: str) -> bytes:
     return md.encode_metadata(msgspec.structs.replace(m, blob=msgspec.msgpack.encode(fields)))
 
 
-def test_forged_notifications_refused_loopback():
+def test_forged_notifications_refused_loopback(monkeypatch):
     with kvt.open("loopback", name="receiver") as r, kvt.open("loopback", name="sender") as s:
         src = np.arange(4096, dtype=np.uint8)
         r.register(src)
@@ -115,11 +131,12 @@ def test_forged_notifications_refused_loopback():
             assert np.array_equal(dst, src)
             captured = tap.capture()
             tap.send([captured])  # forwarded: the genuine frame is accepted once
-            _run_forgery(tap, captured, lambda: s.send_notification(peer, b"sentinel"))
+            stale = _stale_frame(msgspec.msgpack.decode(md.decode_metadata(r.metadata()).blob)[4], monkeypatch)
+            _run_forgery(tap, captured, stale, lambda: s.send_notification(peer, b"sentinel"))
             got = _drain_until(lambda: [(n.peer, n.payload) for n in r.notifications()], b"sentinel")
             assert got == [("sender", b"req-1 read"), ("sender", b"sentinel")]
-            # 2 unsealed + 1 wrong key + 1 replay, all processed before the sentinel.
-            assert r.describe()["notification_refusals"] == 4
+            # 2 unsealed + 1 wrong key + 1 replay + 1 stale, all processed before the sentinel.
+            assert r.describe()["notification_refusals"] == 5
         finally:
             tap.close()
             os.unlink(os.path.join(tmp, "tap.sock"))
@@ -127,7 +144,7 @@ def test_forged_notifications_refused_loopback():
 
 
 # ----------------------------------------------------------------------------- moriio (fake mori: glue only)
-def test_forged_notifications_refused_moriio_glue_fake_mori():
+def test_forged_notifications_refused_moriio_glue_fake_mori(monkeypatch):
     from kvtransport.spi import Op, PollState
     from kvtransport_moriio.wire import decode_agent_blob, encode_agent_blob
 
@@ -147,10 +164,11 @@ def test_forged_notifications_refused_moriio_glue_fake_mori():
         assert np.array_equal(a.bufs[0], b.bufs[0])
         captured = tap.capture()
         tap.send([captured])
-        _run_forgery(tap, captured, lambda: a.be.send_notification(peer, b"sentinel"))
+        _run_forgery(tap, captured, _stale_frame(blob.notify_key, monkeypatch),
+                     lambda: a.be.send_notification(peer, b"sentinel"))
         got = _drain_until(b.be.notifications, b"sentinel")
         assert got == [("sender", b"req-1 read"), ("sender", b"sentinel")]
-        assert b.be.describe()["notification_refusals"] == 4
+        assert b.be.describe()["notification_refusals"] == 5
     finally:
         tap.close()
         a.be.close()
@@ -190,3 +208,34 @@ def test_control_forged_frames_are_delivered_without_the_check(transport):
             if os.path.exists(p):
                 os.unlink(p)
         os.rmdir(tmp)
+
+
+# ----------------------------------------------------------------------------- the transport itself
+def test_receiver_without_control_handler_refuses_control_kinds_and_sender_refuses_oversize():
+    from kvtransport.errors import NotificationError
+    from kvtransport.notify import MAX_PAYLOAD_BYTES, NotificationSender
+
+    key = new_notification_key()
+    rx = NotificationReceiver(CTX, "tcp://127.0.0.1", key, name="no-control")
+    tx = NotificationSender(CTX, rx.address, key, "sender")
+    try:
+        tx.send(b"let me attach", kind="attach")  # a kind this receiver has no handler for
+        with pytest.raises(NotificationError, match="exceeds"):
+            tx.send(b"x" * (MAX_PAYLOAD_BYTES + 1))
+        tx.send(b"sentinel")
+        assert _drain_until(rx.drain, b"sentinel") == [("sender", b"sentinel")]
+        assert rx.refusals == 1 and "unknown notification kind 'attach'" in rx.last_refusal
+    finally:
+        tx.close(0)
+        rx.close()
+
+
+def test_a_receiver_dropped_without_close_stops_its_thread():
+    import gc
+
+    rx = NotificationReceiver(CTX, "tcp://127.0.0.1", new_notification_key(), name="dropped")
+    thread = rx._thread
+    del rx
+    gc.collect()
+    thread.join(10)
+    assert not thread.is_alive()
