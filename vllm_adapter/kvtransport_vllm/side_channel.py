@@ -36,7 +36,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from kvtransport.auth import AuthError, Authenticator
+from kvtransport.auth import AuthError, Authenticator, AuthVersionError
 
 from .messages import PROTOCOL_VERSION, Error, Msg, decode, encode, peek_version
 
@@ -158,6 +158,8 @@ class SideChannelServer:
             try:
                 body = self._auth.open(payload, "req")
                 nonce = Authenticator.nonce_of(payload)
+            except AuthVersionError as exc:
+                return self._refuse("auth", f"side-channel request not authenticated: {exc}")
             except AuthError as exc:
                 return self._refuse("auth", f"side-channel request not authenticated ({exc}); set the same "
                                     "side_channel_secret / KVTRANSPORT_SECRET on both engines")
