@@ -60,6 +60,7 @@ from .errors import NotificationError
 
 __all__ = [
     "CHANNEL",
+    "KEY_BYTES",
     "KIND_NOTIFY",
     "MAX_PAYLOAD_BYTES",
     "NotificationError",

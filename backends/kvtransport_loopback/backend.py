@@ -41,7 +41,7 @@ import numpy as np
 import zmq
 
 from kvtransport.errors import BackendOptionError, IncompatiblePeerError, NotificationError, PeerMetadataError
-from kvtransport.notify import NotificationReceiver, NotificationSender, new_notification_key
+from kvtransport.notify import KEY_BYTES, NotificationReceiver, NotificationSender, new_notification_key
 from kvtransport.process_identity import ProcessIdentity, process_start_time
 from kvtransport.spi import (
     Availability,
@@ -156,7 +156,7 @@ class LoopbackBackend(Backend):
         self.pid = self.identity.pid
         self.boot_id = self.identity.boot_id or "unknown-" + os.uname().nodename
         # A private (0700) directory: only this user can connect to the notification
-        # socket. (Same-user processes can read our memory through CMA anyway.)
+        # socket, and it accepts only messages sealed with our key (kvtransport.notify).
         self._own_dir = None if options.get("notify_dir") else tempfile.mkdtemp(prefix="kvt-lb-")
         ndir = options.get("notify_dir") or self._own_dir
         self._ipc_path = os.path.join(ndir, f"{uuid.uuid4().hex[:16]}.sock")
@@ -197,7 +197,7 @@ class LoopbackBackend(Backend):
                 "only within one host — use the ucx backend across hosts")
         if not exp.notify_addr.startswith("ipc://"):
             raise PeerMetadataError(f"peer {peer_name!r} sent a non-ipc notify address")
-        if len(exp.notify_key) != 32:
+        if len(exp.notify_key) != KEY_BYTES:
             raise PeerMetadataError(
                 f"peer {peer_name!r} exported no notification key (a kvtransport from before "
                 "authenticated notifications); run the same kvtransport version on both sides")
