@@ -637,14 +637,13 @@ class Agent:
                     f"backend {self.backend_name!r} cannot send standalone notifications ({exc}); "
                     "attach the message to a transfer with notify=, or use a backend that "
                     "sends them (loopback, ucx)") from exc
-            except NotificationError:
-                raise
-            except Exception as exc:
+            except Exception as exc:  # the backend's own NotificationError gets the fix added
+                detail = str(exc) if isinstance(exc, KVTransportError) else f"{type(exc).__name__}: {exc}"
                 raise NotificationError(
                     f"notification to peer {peer.name!r} not delivered by backend "
-                    f"{self.backend_name!r}: {type(exc).__name__}: {exc}. The peer may have exited "
-                    "or been restarted: check peer_alive(), reconnect with its new metadata, "
-                    "then retry") from exc
+                    f"{self.backend_name!r}: {detail}. The peer may have exited or been "
+                    "restarted: check peer_alive(), reconnect with its new metadata, then "
+                    "retry") from exc
 
     # -- lifetime -------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
