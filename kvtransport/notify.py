@@ -26,7 +26,8 @@ What it does not prove: which of the metadata holders sent a message. The sender
 inside the sealed body is asserted by a key holder, who could also read or write our
 memory; that is the trust boundary, and it is the same one the memory keys draw.
 
-Wire: one ZMQ frame, ``Authenticator(key, CHANNEL).seal(body)``, where ``body`` is the
+Wire: one ZMQ frame, ``Authenticator(key, CHANNEL).seal(body)`` (``kvtransport.auth``:
+authenticated and encrypted, with a timestamp and a nonce), where ``body`` is the
 msgpack array ``[WIRE_VERSION, kind, sender, payload]``. ``kind`` ``"n"`` is a
 notification, delivered by :meth:`NotificationReceiver.drain`; any other kind is a
 control message handed to the ``on_control`` callback given to the receiver (loopback
@@ -35,7 +36,11 @@ when the receiver has none. Anything that does not open (unsealed, wrong key, st
 replayed nonce) or does not decode is refused: dropped, counted in
 :attr:`NotificationReceiver.refusals`, logged (first one, then every 1000th), never
 raised into the engine. Backends expose the count as ``notification_refusals`` in
-``describe()``.
+``describe()``. Replay protection is the authenticator's: a nonce seen within its window
+(30 s) is refused, a frame older than the window is refused as stale, so the clocks of
+sender and receiver must agree within it. A receiver remembers up to 2**18 nonces in
+the window (about 8,700 notifications per second sustained); beyond that genuine
+messages are refused too, and counted.
 
 Threading: the receiver owns its PULL socket on its own thread, so control messages are
 handled even while the engine never calls ``notifications()``, and refusals are counted
