@@ -18,7 +18,9 @@ receiver without the authentication check, or one holding the forger's key, deli
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -148,6 +150,12 @@ def test_forged_notifications_refused_moriio_glue_fake_mori(monkeypatch):
     from kvtransport.spi import Op, PollState
     from kvtransport_moriio.wire import decode_agent_blob, encode_agent_blob
 
+    # The fake mori and its helpers live in the tests.moriio package; make the repository
+    # root importable also when pytest was started as a bare `pytest` (it then puts only
+    # this directory on sys.path).
+    root = str(Path(__file__).resolve().parents[2])
+    if root not in sys.path:
+        sys.path.insert(0, root)
     from tests.moriio.conftest import Side
     from tests.moriio.fake_mori_io import make_fake_mori_io
     from tests.moriio.test_glue_fake_mori import make_req
