@@ -66,6 +66,8 @@ _SUFFIX = "@kvt-"
 _KINDS = {"cpu": "DRAM", "cuda": "VRAM"}
 #: Plugins whose init parameter ``num_threads`` is NIXL's thread count (as nixl_agent does).
 _THREADED = ("UCX", "OBJ", "LIBFABRIC")
+#: NIXL's storage plugins move memory to files, blocks or object stores, not between agents.
+_STORAGE = frozenset({"POSIX", "GDS", "GDS_MT", "OBJ", "AZURE_BLOB", "GUSLI", "INFINIA", "HF3FS"})
 #: One process environment: UCX_* settings are applied while one plugin starts at a time.
 _ENV_LOCK = threading.Lock()
 #: Agents closed with transfers still in flight: kept alive (never destroyed under a copy).
@@ -187,6 +189,9 @@ class NixlBackend(Backend):
         if plugin not in info.plugins:
             raise BackendOptionError(f"nixl backend: NIXL has no plugin {plugin!r}; installed plugins: "
                                      f"{info.plugins}")
+        if plugin in _STORAGE:
+            raise BackendOptionError(f"nixl backend: {plugin!r} is a NIXL storage plugin (memory to files "
+                                     "or objects), not a transport between agents; use 'UCX' or 'LIBFABRIC'")
         desc = info.describe(plugin)
         if desc is None:
             raise BackendOptionError(f"nixl backend: NIXL cannot load plugin {plugin!r} here (a missing "

@@ -1,0 +1,289 @@
+"""nixl backend: bytes and notifications across two processes, killed and stopped peers,
+options refused by name, probe reasons. The generic contract is the conformance suite
+(tests/conformance, ``-k nixl``); these tests cover what is specific to NIXL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import msgspec
+import numpy as np
+import pytest
+
+import kvtransport as kvt
+from kvtransport import errors
+from kvtransport import metadata as md_mod
+from kvtransport.testing.peer import ChildProcessPeer, pattern
+from kvtransport.testing.required import skip_unless_usable
+
+BLOCK = 16 << 10
+NBLOCKS = 256
+SIZE = BLOCK * NBLOCKS
+
+
+@pytest.fixture(autouse=True)
+def _usable():
+    skip_unless_usable("nixl")
+
+
+#: Default path (small transfers posted inline) and every transfer through the poster thread.
+POST_MODES = [{}, {"inline_post_bytes": 0}]
+
+
+@pytest.fixture(params=POST_MODES, ids=["inline", "poster"], scope="module")
+def two_proc(request):
+    opts = dict(request.param)
+    local = kvt.open("nixl", name="nx-local", **opts)
+    buf = pattern(1, SIZE)
+    region = local.register(buf)
+    far = ChildProcessPeer("nixl", opts, "nx-far", SIZE, 2)
+    peer = local.connect(far.metadata())
+    far.connect(local.metadata())
+    yield local, buf, region, far, peer
+    far.close()
+    local.close()
+
+
+def _blocks(seed: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.permutation(NBLOCKS)[:n], rng.permutation(NBLOCKS)[:n]
+
+
+def _segs(region, ids):
+    return region.segments(np.asarray(ids) * BLOCK, np.full(len(ids), BLOCK))
+
+
+def test_read_and_write_byte_exact_with_notifications_two_processes(two_proc):
+    local, buf, region, far, peer = two_proc
+    remote = peer.region(far.region_id)
+    far.fill(2)
+    buf[:] = pattern(1, SIZE)
+    lids, rids = _blocks(3, 100)
+    t = local.read(peer, _segs(region, lids), _segs(remote, rids), notify=b"read-done")
+    assert t.wait(60).ok, t.status()
+    theirs = np.frombuffer(far.bytes(), np.uint8).reshape(NBLOCKS, BLOCK)
+    assert np.array_equal(buf.reshape(NBLOCKS, BLOCK)[lids], theirs[rids])
+    assert far.notifications(1, 10) == [("nx-local", b"read-done")]
+
+    lids, rids = _blocks(4, 100)
+    t = local.write(peer, _segs(region, lids), _segs(remote, rids), notify=b"")  # empty payload travels
+    assert t.wait(60).ok, t.status()
+    got = far.notifications(1, 10)
+    theirs = np.frombuffer(far.bytes(), np.uint8).reshape(NBLOCKS, BLOCK)
+    assert got == [("nx-local", b"")]
+    assert np.array_equal(theirs[rids], buf.reshape(NBLOCKS, BLOCK)[lids])
+    untouched = np.setdiff1d(np.arange(NBLOCKS), rids)
+    assert np.array_equal(theirs[untouched], pattern(2, SIZE).reshape(NBLOCKS, BLOCK)[untouched])
+
+
+def test_whole_region_moves_through_the_configured_post_path(two_proc):
+    local, buf, region, far, peer = two_proc
+    far.fill(9)
+    t = local.read(peer, region.whole(), peer.region(far.region_id).whole())
+    assert t.wait(60).ok, t.status()
+    assert buf.tobytes() == pattern(9, SIZE).tobytes()
+    t.release()
+    assert local.stats()["pending"] == 0 and local.stats()["unquiesced"] == 0
+
+
+def test_far_side_writes_into_us_and_notifies(two_proc):
+    local, buf, region, far, peer = two_proc
+    far.fill(5)
+    local.notifications()
+    assert far.call("write_to_peer", 0, 2 * BLOCK, 4 * BLOCK, b"from-far") == "DONE"
+    limit = time.monotonic() + 10
+    got = []
+    while not got and time.monotonic() < limit:
+        got = local.notifications()
+        time.sleep(0.005)
+    assert [(n.peer, n.payload) for n in got] == [("nx-far", b"from-far")]
+    assert np.array_equal(buf[2 * BLOCK:6 * BLOCK], pattern(5, SIZE)[:4 * BLOCK])
+
+
+def test_killed_peer_fails_before_deadline_while_another_peer_is_served():
+    """A 256 MiB READ over tcp is in flight when its source is SIGKILLed: NIXL reports the
+    disconnect, the transfer ends FAILED well before its 60 s deadline and quiesced; a
+    second peer is served meanwhile and after."""
+    big = 256 << 20
+    local = kvt.open("nixl", name="nx-victim-reader", tls="tcp")
+    victim = ChildProcessPeer("nixl", {"tls": "tcp"}, "nx-victim", big, 7)
+    healthy = ChildProcessPeer("nixl", {"tls": "tcp"}, "nx-healthy", SIZE, 8)
+    try:
+        buf = np.zeros(big, np.uint8)
+        region = local.register(buf)
+        pv, ph = local.connect(victim.metadata()), local.connect(healthy.metadata())
+        warm = local.read(pv, region.segments([0], [BLOCK]), pv.region(victim.region_id).segments([0], [BLOCK]))
+        assert warm.wait(60).ok  # connection established: the big read below starts at once
+        t = local.read(pv, region.whole(), pv.region(victim.region_id).whole(), timeout=60)
+        victim.kill()
+        served = local.read(ph, region.segments([0], [SIZE]), ph.region(healthy.region_id).whole())
+        assert served.wait(60).ok, served.status()
+        assert buf[:SIZE].tobytes() == pattern(8, SIZE).tobytes()
+        st = t.wait(60)
+        assert st.state is kvt.State.FAILED, st
+        assert "deadline" not in st.reason  # detected, not timed out
+        assert "disconnect" in st.reason or "exited" in st.reason, st.reason
+        print("killed-peer transfer:", st.reason)
+        assert t.status().quiesced
+        assert local.peer_alive(pv) is False
+        again = local.read(ph, region.segments([SIZE], [SIZE]), ph.region(healthy.region_id).whole())
+        assert again.wait(60).ok
+        local.deregister(region)  # nothing of the dead transfer can land any more
+    finally:
+        victim.close()
+        healthy.close()
+        local.close()
+
+
+def test_deadline_on_a_stopped_peer_keeps_memory_aside_until_nixl_ends_the_request():
+    """NIXL cannot abort a posted request: a READ from a SIGSTOPped peer (tcp) fails at
+    its deadline but stays quiesced=False, and its region cannot be deregistered, until
+    the peer resumes and NIXL completes the request."""
+    local = kvt.open("nixl", name="nx-stop-reader", tls="tcp")
+    far = ChildProcessPeer("nixl", {"tls": "tcp"}, "nx-stopped", SIZE, 11)
+    try:
+        buf = np.zeros(SIZE, np.uint8)
+        region = local.register(buf)
+        peer = local.connect(far.metadata())
+        assert local.read(peer, region.segments([0], [BLOCK]), peer.region(far.region_id).segments([0], [BLOCK])
+                          ).wait(60).ok
+        os.kill(far.pid, signal.SIGSTOP)
+        try:
+            t = local.read(peer, region.whole(), peer.region(far.region_id).whole(), timeout=0.5)
+            st = t.wait(30)
+            assert st.state is kvt.State.FAILED and "deadline" in st.reason, st
+            assert not st.quiesced
+            with pytest.raises(errors.KVTransportError, match="not yet quiesced"):
+                local.deregister(region)
+        finally:
+            os.kill(far.pid, signal.SIGCONT)
+        limit = time.monotonic() + 60
+        while not t.status().quiesced and time.monotonic() < limit:
+            time.sleep(0.01)
+        assert t.status().quiesced
+        assert local.stats()["unquiesced"] == 0
+        local.deregister(region)
+    finally:
+        far.close()
+        local.close()
+
+
+# -- options ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("opts, words", [
+    ({"bogus": 1}, ["unknown option", "'bogus'", "progress_thread"]),
+    ({"backends": ["NOPE"]}, ["no plugin 'NOPE'", "UCX"]),
+    ({"backends": ["POSIX"]}, ["storage plugin", "'POSIX'"]),
+    ({"backends": []}, ["backends must be a non-empty list"]),
+    ({"plugin_params": {"UCX": {"no_such_param": "1"}}}, ["no parameter(s) ['no_such_param']", "num_workers"]),
+    ({"plugin_params": {"LIBFABRIC": {}}}, ["not in backends"]),
+    ({"progress_thread": "yes"}, ["progress_thread must be True or False"]),
+    ({"num_threads": -1}, ["num_threads"]),
+    ({"tls": "tcp;rm -rf"}, ["not a comma-separated UCX transport list"]),
+    ({"ucx_config": {"bad key": 1}}, ["not a UCX setting name"]),
+    ({"inline_post_bytes": -5}, ["inline_post_bytes"]),
+    ({"liveness_interval_s": 0}, ["liveness_interval_s"]),
+])
+def test_bad_options_are_refused_naming_the_problem(opts, words):
+    with pytest.raises(errors.BackendOptionError) as ei:
+        kvt.open("nixl", name="nx-bad", **opts)
+    for w in words:
+        assert w in str(ei.value), str(ei.value)
+
+
+def test_a_ucx_setting_the_plugin_refuses_is_a_typed_error():
+    with pytest.raises(errors.BackendOptionError, match="plugin UCX failed to start with UCX settings"):
+        kvt.open("nixl", name="nx-bad-ucx", tls="no_such_transport_xyz")
+
+
+def test_plugin_params_reach_nixl_and_data_still_moves():
+    with kvt.open("nixl", name="nx-a", plugin_params={"UCX": {"num_workers": 2}}, progress_thread=False) as a, \
+            kvt.open("nixl", name="nx-b") as b:
+        assert a.describe()["plugin_params"] == {"UCX": {"num_workers": "2"}}
+        src, dst = pattern(3, SIZE), np.zeros(SIZE, np.uint8)
+        ra, rb = a.register(dst), b.register(src)
+        peer = a.connect(b.metadata())
+        assert a.read(peer, ra.whole(), peer.region(rb.id).whole()).wait(60).ok
+        assert dst.tobytes() == src.tobytes()
+
+
+def test_cuda_memory_refused_naming_the_kind_without_a_gpu():
+    with kvt.open("nixl", name="nx-kind") as a:
+        if "cuda" in a.capabilities.memory_kinds:
+            pytest.skip("this host has a GPU and NIXL reports VRAM: the refusal does not apply")
+        with pytest.raises(errors.InvalidSegmentsError, match="'cuda'"):
+            a.register((0x10000, 4096), kind="cuda", device=0)
+
+
+def test_corrupt_nixl_metadata_inside_a_valid_envelope_is_refused_agent_keeps_serving():
+    with kvt.open("nixl", name="nx-c1") as a, kvt.open("nixl", name="nx-c2") as b:
+        src, dst = pattern(4, SIZE), np.zeros(SIZE, np.uint8)
+        ra, rb = a.register(dst), b.register(src)
+        good = b.metadata()
+        md = md_mod.decode_metadata(good)
+        blob = msgspec.msgpack.decode(md.blob)
+        for bad_md in (b"", os.urandom(200), blob["nixl_md"][: len(blob["nixl_md"]) // 2]):
+            forged = msgspec.structs.replace(md, blob=msgspec.msgpack.encode({**blob, "nixl_md": bad_md}))
+            with pytest.raises(errors.PeerMetadataError, match="NIXL refused the metadata"):
+                a.connect(md_mod.encode_metadata(forged))
+        extra = msgspec.structs.replace(md, blob=msgspec.msgpack.encode({**blob, "extra": 1}))
+        with pytest.raises(errors.PeerMetadataError, match="malformed"):
+            a.connect(md_mod.encode_metadata(extra))
+        peer = a.connect(good)
+        assert a.read(peer, ra.whole(), peer.region(rb.id).whole()).wait(60).ok
+        assert dst.tobytes() == src.tobytes()
+
+
+# -- probe and listing --------------------------------------------------------------------
+
+_BLOCK_NIXL = """
+import sys
+class _Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('nixl', 'nixl_cu12', 'nixl_cu13', 'nixl_rocm'):
+            raise ImportError('blocked for this test: ' + name)
+sys.meta_path.insert(0, _Block())
+"""
+
+
+def _child(code: str, env: dict[str, str] | None = None) -> str:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, **(env or {})})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def test_probe_names_a_missing_install_and_the_hint():
+    out = _child(_BLOCK_NIXL + "from kvtransport_nixl.backend import NixlBackend\n"
+                 "import json; a = NixlBackend.probe(); print(json.dumps([a.usable, a.reason, a.install_hint]))")
+    usable, reason, hint = json.loads(out.strip().splitlines()[-1])
+    assert usable is False
+    assert "NIXL is not installed" in reason and "nixl_cu12" in reason
+    assert "pip install 'kvtransport[nixl]'" in hint
+
+
+def test_probe_names_missing_plugins():
+    out = _child("from kvtransport_nixl.backend import NixlBackend\n"
+                 "import json; a = NixlBackend.probe(); print(json.dumps([a.usable, a.reason]))",
+                 env={"NIXL_PLUGIN_DIR": "/nonexistent-nixl-plugins"})
+    usable, reason = json.loads(out.strip().splitlines()[-1])
+    assert usable is False and "NIXL_PLUGIN_DIR=/nonexistent-nixl-plugins" in reason and "plugins" in reason
+
+
+def test_cli_lists_nixl_with_the_reason_when_it_cannot_run():
+    out = _child(_BLOCK_NIXL + "from kvtransport.cli import main; main(['backends', '--json'])")
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert rows["nixl"]["usable"] is False
+    assert "NIXL is not installed" in rows["nixl"]["reason"]
+    assert "kvtransport[nixl]" in rows["nixl"]["install_hint"]
+
+
+def test_cli_lists_nixl_usable_here():
+    out = _child("from kvtransport.cli import main; main(['backends', '--json'])")
+    rows = {r["name"]: r for r in json.loads(out)}  # stdout is pure JSON: NIXL's INFO lines are quiet
+    assert rows["nixl"]["usable"] is True, rows["nixl"]
