@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-import kvtransport as kvt
+from kvtransport.testing.required import skip_unless_usable
 from soak_harness import Soak, SoakConfig
 
 pytestmark = pytest.mark.timeout(1800)
@@ -27,13 +27,6 @@ SHORT = {False: 400, True: 150}
 KINDS_LOCAL = {"core_fail", "core_hang", "core_delay", "sc_drop", "sc_dup_frame", "sc_dup_msg", "sc_delay",
                "c_abort", "p_abort", "forward_after_lease", "never_forwarded"}
 KINDS_CHILD = {"producer_sigkill", "core_fail", "sc_drop", "sc_dup_msg"}
-
-
-def _ucx_usable() -> str:
-    for b in kvt.available_backends():
-        if b.name == "ucx":
-            return "" if b.usable else (b.reason or "unusable")
-    return "ucx backend not installed"
 
 
 def _report(res) -> dict:
@@ -56,6 +49,8 @@ def _check(res, kinds: set[str], min_ok: float = 0.5) -> None:
     assert not missing, f"fault kinds never injected in this run: {sorted(missing)} (raise the rates)"
     assert res.loads_ok > res.config.requests * min_ok, f"too few loads succeeded: {res.loads_ok}"
     assert res.blocks_verified > 0
+    # I2 was exercised: some loads passed their deadline and had to be given up
+    assert res.loads_past_deadline > 0, "no load ever passed its deadline: I2 checked nothing"
 
 
 def _requests(request, child: bool) -> int:
@@ -84,9 +79,7 @@ def test_soak_producer_killed_and_restarted(request, mode):
 
 @pytest.mark.parametrize("mode", ["read", "write"])
 def test_soak_ucx(request, mode):
-    why = _ucx_usable()
-    if why:
-        pytest.skip(f"ucx backend not usable here: {why}")
+    skip_unless_usable("ucx")  # fails instead when ucx is required (KVT_REQUIRED_BACKENDS)
     seed = request.config.getoption("--soak-seed", default=1) or 1
     n = request.config.getoption("--soak-requests", default=None)
     # lane_split_bytes=0: every transfer is shared by both lanes, so the soak's faults also
@@ -100,20 +93,52 @@ def test_soak_detects_stale_reads_when_the_guard_is_removed(monkeypatch):
     """The checks can fail: with the consumer patched to accept "expired" confirmations as
     "ok" (the vllm#21570 bug), requests forwarded after the lease lapsed are reported loaded
     and the soak flags them (I5)."""
-    from kvtransport_vllm.worker import KVTransportWorker
+    from kvtransport_vllm.consumer import Consumer
 
-    real = KVTransportWorker._on_consumer_reply
+    real = Consumer._on_status
 
-    def accept_expired(self, msg):
-        status = getattr(msg, "status", None)
-        if status:
-            msg.status = {k: ("ok" if v == "expired" else v) for k, v in status.items()}
-        return real(self, msg)
+    def accept_expired(self, r, status):
+        return real(self, r, "ok" if status == "expired" else status)
 
-    monkeypatch.setattr(KVTransportWorker, "_on_consumer_reply", accept_expired)
+    monkeypatch.setattr(Consumer, "_on_status", accept_expired)
     cfg = SoakConfig(mode="read", requests=80, seed=5, num_blocks=96, late_forward_rate=0.3, p_abort_rate=0,
                      never_forward_rate=0, c_abort_rate=0, fail_rate=0, hang_rate=0, delay_rate=0,
                      sc_drop=0, sc_dup_frame=0, sc_dup_msg=0, sc_delay=0)
     res = Soak(cfg).run()
     i5 = [v for v in res.violations if " I5 " in v]
     assert i5, "a stale read was accepted but the soak did not notice"
+
+
+def test_soak_detects_a_give_up_later_than_the_deadline(monkeypatch):
+    """I2 can fail, and has no slack: with the consumer patched to give up half a second
+    after its load deadline instead of at it, loads whose confirmation never reaches the
+    producer (a quarter of the keys, dropped for good) sit in CONFIRM past the deadline,
+    and the soak flags them (I2) -- a delay the old wall-clock bound (3 s of slack)
+    would have let through."""
+    import zlib
+
+    from kvtransport_vllm import consumer as cons
+
+    real_confirm = cons.Consumer._send_confirm
+
+    def confirm_lost_for_some_keys(self, r, now):
+        if zlib.crc32(r.job.key.encode()) % 4 == 0:
+            return  # this key's confirmations never leave
+        return real_confirm(self, r, now)
+
+    def advance_half_a_second_late(self, now):
+        with self.ctx.lock:
+            loads = list(self.recv.values())
+        for r in loads:
+            step = cons._STEPS.get(r.state)
+            if step is not None:
+                step(self, r, now, r.aborted or r.peer_aborted or now >= r.deadline + 0.5)
+
+    monkeypatch.setattr(cons.Consumer, "_send_confirm", confirm_lost_for_some_keys)
+    monkeypatch.setattr(cons.Consumer, "advance", advance_half_a_second_late)
+    cfg = SoakConfig(mode="read", requests=40, seed=7, p_abort_rate=0, late_forward_rate=0,
+                     never_forward_rate=0, c_abort_rate=0, fail_rate=0, hang_rate=0, delay_rate=0,
+                     sc_drop=0, sc_dup_frame=0, sc_dup_msg=0, sc_delay=0)
+    res = Soak(cfg).run()
+    i2 = [v for v in res.violations if "] I2 " in v]
+    assert i2 and all("still in confirm" in v for v in i2), res.violations[:5]
