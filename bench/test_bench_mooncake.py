@@ -1,11 +1,11 @@
-"""kvtransport-over-mooncake against raw Mooncake, two processes, the same buffers.
+"""kvtransport-over-mooncake against raw Mooncake, two processes and one, the same buffers.
 
 Run: ``cd /work/main && .venv/bin/python -m pytest bench/test_bench_mooncake.py -q -s``
 (``-s`` prints the table; the figures also go to ``$KVT_BENCH_MOONCAKE_OUT``, default
 ``/tmp/kvt_bench_mooncake.json``).
 
-Topology: the initiator (this process) holds buffer A, a child process (spawned) holds
-buffer B; each side has one raw ``mooncake.engine.TransferEngine`` and one kvtransport
+Topology ``xproc``: the initiator (this process) holds buffer A, a child process (spawned)
+holds buffer B (``inproc``: the same far side in this process); each side has one raw ``mooncake.engine.TransferEngine`` and one kvtransport
 ``mooncake`` agent, both registering the *same* buffer, all P2P hand-shake over TCP on
 127.0.0.1. Cases: 16 MiB and 256 MiB contiguous, 4096 x 16 KiB scattered (random block order
 on both sides), READ and WRITE. Rounds of the two systems alternate so drift hits both.
@@ -36,48 +36,81 @@ from kvtransport.testing.required import skip_unless_usable
 BUF = 256 << 20
 BLOCK = 16 << 10
 CASES = {"16MiB": (1, 16 << 20), "256MiB": (1, 256 << 20), "4096x16KiB": (4096, BLOCK)}
-ROUNDS = {"16MiB": 15, "256MiB": 4, "4096x16KiB": 6}
+ROUNDS = {"16MiB": 30, "256MiB": 6, "4096x16KiB": 12}
 RAW_MAX_SEGMENTS = 1024  # Mooncake TCP: MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER default
 CHUNK, INFLIGHT = 512, 1024  # the backend's defaults (chunk_segments, max_inflight_segments)
 POLL_S = 5e-5
 OUT = os.environ.get("KVT_BENCH_MOONCAKE_OUT", "/tmp/kvt_bench_mooncake.json")
 
 
-def _target(conn) -> None:  # pragma: no cover - child process
-    """Holds buffer B behind a raw engine and a kvtransport agent; answers byte queries."""
-    import mooncake.engine as me
+class Target:
+    """Buffer B behind a raw engine and a kvtransport agent (the far side of every case)."""
 
-    from kvtransport_mooncake.probe import initialize
-
-    b = np.random.default_rng(1).integers(0, 256, BUF, dtype=np.uint8)
-    raw = me.TransferEngine()
-    assert initialize(raw, "127.0.0.1", "tcp", "") == 0
-    assert raw.register_memory(b.ctypes.data, b.nbytes) == 0
-    agent = kvt.open("mooncake", name="bench-target", default_timeout_s=300)
-    region = agent.register(b)
-    conn.send((f"127.0.0.1:{raw.get_rpc_port()}", b.ctypes.data, agent.metadata(), region.id))
-    while True:
-        cmd, args = conn.recv()
-        if cmd == "exit":
-            break
-        if cmd == "bytes":
-            conn.send([bytes(b[o:o + n]) for o, n in args])
-        elif cmd == "connect":
-            agent.connect(args)
-            conn.send(True)
-    agent.close()
-
-
-class Bench:
     def __init__(self) -> None:
         import mooncake.engine as me
 
         from kvtransport_mooncake.probe import initialize
 
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_target, args=(child,), daemon=True)
-        self.proc.start()
+        self.b = np.random.default_rng(1).integers(0, 256, BUF, dtype=np.uint8)
+        self.raw = me.TransferEngine()
+        assert initialize(self.raw, "127.0.0.1", "tcp", "") == 0
+        assert self.raw.register_memory(self.b.ctypes.data, self.b.nbytes) == 0
+        self.agent = kvt.open("mooncake", name="bench-target", default_timeout_s=300)
+        self.region = self.agent.register(self.b)
+
+    def hello(self) -> tuple:
+        return (f"127.0.0.1:{self.raw.get_rpc_port()}", self.b.ctypes.data, self.agent.metadata(), self.region.id)
+
+    def handle(self, cmd: str, args) -> object:
+        if cmd == "bytes":
+            return [bytes(self.b[o:o + n]) for o, n in args]
+        if cmd == "connect":
+            self.agent.connect(args)
+            return True
+        if cmd == "exit":
+            self.agent.close()
+            return True
+        raise ValueError(cmd)
+
+
+def _target(conn) -> None:  # pragma: no cover - child process
+    t = Target()
+    conn.send(t.hello())
+    while True:
+        cmd, args = conn.recv()
+        conn.send(t.handle(cmd, args))
+        if cmd == "exit":
+            break
+
+
+class _InProcess:
+    """The same Target in this process, behind the pipe interface the child uses."""
+
+    def __init__(self) -> None:
+        self.t = Target()
+        self._out = [self.t.hello()]
+
+    def send(self, msg) -> None:
+        self._out.append(self.t.handle(*msg))
+
+    def recv(self):
+        return self._out.pop(0)
+
+
+class Bench:
+    def __init__(self, topology: str) -> None:
+        import mooncake.engine as me
+
+        from kvtransport_mooncake.probe import initialize
+
+        self.proc = None
+        if topology == "xproc":
+            ctx = mp.get_context("spawn")
+            self.conn, child = ctx.Pipe()
+            self.proc = ctx.Process(target=_target, args=(child,), daemon=True)
+            self.proc.start()
+        else:
+            self.conn = _InProcess()
         self.raw_session, self.b_addr, md, self.b_region = self.conn.recv()
         self.a = np.random.default_rng(0).integers(0, 256, BUF, dtype=np.uint8)
         self.me = me
@@ -96,13 +129,13 @@ class Bench:
         return self.conn.recv()
 
     def raw_run(self, op: str, ia, tb, ln):
-        la = (self.a.ctypes.data + ia).tolist()
-        ra = (self.b_addr + tb).tolist()
-        lens = ln.tolist()
         call = self.raw.batch_transfer_sync_read if op == "READ" else self.raw.batch_transfer_sync_write
-        cuts = list(range(0, len(lens), RAW_MAX_SEGMENTS))
+        cuts = list(range(0, len(ln), RAW_MAX_SEGMENTS))
 
-        def run() -> None:
+        def run() -> None:  # address lists built per transfer, as a raw user must
+            la = (self.a.ctypes.data + ia).tolist()
+            ra = (self.b_addr + tb).tolist()
+            lens = ln.tolist()
             for i in cuts:
                 j = i + RAW_MAX_SEGMENTS
                 rc = call(self.raw_session, la[i:j], ra[i:j], lens[i:j])
@@ -117,13 +150,13 @@ class Bench:
         from kvtransport_mooncake._abi import EngineStatus, TaskState
 
         status = EngineStatus(self.raw.get_engine_ptr())
-        la = (self.a.ctypes.data + ia).tolist()
-        ra = (self.b_addr + tb).tolist()
-        lens = ln.tolist()
         call = self.raw.batch_transfer_async_read if op == "READ" else self.raw.batch_transfer_async_write
-        chunks = [(i, min(i + CHUNK, len(lens))) for i in range(0, len(lens), CHUNK)]
+        chunks = [(i, min(i + CHUNK, len(ln))) for i in range(0, len(ln), CHUNK)]
 
-        def run() -> None:
+        def run() -> None:  # address lists built per transfer, as a raw user must
+            la = (self.a.ctypes.data + ia).tolist()
+            ra = (self.b_addr + tb).tolist()
+            lens = ln.tolist()
             todo, flying = list(chunks), []
             while todo or flying:
                 while todo and len(flying) < INFLIGHT // CHUNK:
@@ -156,17 +189,20 @@ class Bench:
         self.agent.close()
         try:
             self.conn.send(("exit", ()))
-        except OSError:
+            self.conn.recv()
+        except (OSError, EOFError):
             pass
-        self.proc.join(30)
-        if self.proc.is_alive():
-            self.proc.kill()
+        if self.proc is not None:
+            self.proc.join(30)
+            if self.proc.is_alive():
+                self.proc.kill()
 
 
-@pytest.fixture(scope="module")
-def bench():
+@pytest.fixture(scope="module", params=["xproc", "inproc"])
+def bench(request):
     skip_unless_usable("mooncake")
-    b = Bench()
+    b = Bench(request.param)
+    b.topology = request.param
     yield b
     b.close()
 
@@ -217,9 +253,10 @@ def test_kvtransport_over_mooncake_vs_raw(bench, case, op):
            "gbps": {k: nbytes / v / 1e9 for k, v in med.items()},
            "overhead_vs_raw_async": med["kvt"] / med["raw-async"],
            "overhead_vs_raw_sync": med["kvt"] / med["raw-sync"], "all_s": times}
-    RESULTS[f"{case}-{op}"] = row
+    row["topology"] = bench.topology
+    RESULTS[f"{bench.topology}-{case}-{op}"] = row
     g = row["gbps"]
-    print(f"\nmooncake tcp 2-proc {case:11s} {op:5s} raw-sync {g['raw-sync']:6.3f}  raw-async {g['raw-async']:6.3f}"
+    print(f"\nmooncake tcp {bench.topology:6s} {case:11s} {op:5s} raw-sync {g['raw-sync']:6.3f}  raw-async {g['raw-async']:6.3f}"
           f"  kvtransport {g['kvt']:6.3f} GB/s   kvt/raw-async time {row['overhead_vs_raw_async']:.3f}"
           f"  kvt/raw-sync {row['overhead_vs_raw_sync']:.3f}")
     with open(OUT, "w") as f:
