@@ -33,7 +33,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -527,9 +527,11 @@ class Agent:
         raddr = peer._index.addresses(rr, ro)
         for a in (lr, lo, rr, ro, ln, laddr, raddr):  # shared by every post of it
             a.flags.writeable = False
+        used = _distinct(lr)
+        used.flags.writeable = False
         req = PostRequest(op, 0, peer._handle, peer.name, lr, lo, laddr, rr, ro, raddr, ln)
         return PreparedTransfer(op, peer, req.nbytes, int(ln.size), len(local), notify, timeout_s,
-                                req, _distinct(lr), self.instance, self._regions_gen)
+                                req, used, self.instance, self._regions_gen)
 
     # -- progress -------------------------------------------------------------
     def _on_backend_progress(self) -> None:

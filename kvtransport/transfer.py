@@ -210,8 +210,9 @@ class Transfer:
 
     def release(self) -> None:
         """Free backend resources. A pending (or failed, not yet quiesced) transfer keeps
-        them until it ends; releasing is optional — an unreleased handle is freed with
-        the Transfer."""
+        them until it ends. The agent itself keeps nothing of a transfer the caller has
+        seen end, so for the core this call is optional; a backend may hold native
+        resources (e.g. UCX requests) until it is made."""
         self._owner.release_transfer(self)
 
     def __repr__(self) -> str:
