@@ -270,7 +270,12 @@ class Backend(abc.ABC):
         """Return and forget ``(peer_name, payload)`` messages received so far."""
 
     def send_notification(self, peer: Any, payload: bytes) -> None:
-        """Send a standalone message to a connected peer (no data)."""
+        """Send a standalone message to a connected peer (no data).
+
+        Raise on failure; the core turns ``NotImplementedError`` (this default) into
+        ``kvtransport.errors.UnsupportedOperationError`` and anything else into
+        ``kvtransport.errors.NotificationError`` naming the peer and the fix, so callers
+        only ever see typed errors. Raising ``NotificationError`` directly is fine."""
         raise NotImplementedError(f"backend {self.name!r} cannot send standalone notifications")
 
     # -- lifetime -------------------------------------------------------------
