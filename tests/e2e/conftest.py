@@ -1,12 +1,16 @@
-"""Session fixtures for the end-to-end tests: tiny model, baseline engine, disaggregated pairs.
+"""Fixtures for the end-to-end tests: tiny model, baseline engine, disaggregated pairs.
 
 Start-up dominates the cost (a vLLM server takes ~30 s to come up on this machine),
-so engines are shared:
+so engines are shared -- but never kept past the tests that use them, since every
+live engine costs CPU to every later test:
 
 * ``baseline`` -- one plain engine, started once, asked every prompt of every test
-  once, then stopped (its answers are the reference);
+  once, then stopped before the fixture returns (its answers are the reference);
 * ``pair`` -- one prefill (``kv_producer``, CPU 0) + decode (``kv_consumer``, CPU 1)
-  + the example proxy per (backend, mode), reused by every test of that mode.
+  + the example proxy per (backend, mode), shared by the tests of that mode in one
+  module and stopped when the last of them ends (module scope: pytest groups a
+  module's tests by pair and tears the pair down before starting the next one, and
+  at the latest at the end of the module).
 
 Logs of every process go to files; when a test fails, the tails of the logs of all
 live servers are attached to the report.
@@ -22,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from kvtransport.testing.required import skip_unless_usable
 
 from . import harness, prompts
 from .tiny_model import build_tiny_model
@@ -88,15 +94,6 @@ def baseline(tiny_model, vocab_size, log_dir) -> dict[tuple[int, ...], list[int]
 
 
 # --------------------------------------------------------------------------- pairs
-def _backend_usable(name: str) -> tuple[bool, str]:
-    import kvtransport as kvt
-
-    for info in kvt.available_backends():
-        if info.name == name:
-            return bool(info.usable), info.reason or ""
-    return False, f"backend {name!r} is not installed"
-
-
 def connector_config(role: str, mode: str, backend: str, side_port: int) -> dict:
     """``--kv-transfer-config`` for one engine (keys: docs/VLLM.md).
 
@@ -152,21 +149,20 @@ class Pair:
 
 
 #: Backends to run, in order (env KVT_E2E_BACKENDS, comma-separated); each in READ and
-#: WRITE mode. A backend that is not usable here is skipped with the registry's reason.
+#: WRITE mode. A backend that is not usable here is skipped with the registry's reason,
+#: or fails if it is required (KVT_REQUIRED_BACKENDS, kvtransport.testing.required).
 E2E_BACKENDS = [b.strip() for b in os.environ.get("KVT_E2E_BACKENDS", "loopback,ucx").split(",") if b.strip()]
 PAIR_PARAMS = [pytest.param((b, m), id=f"{b}-{m}") for b in E2E_BACKENDS for m in ("read", "write")]
 BASELINE_SEEDS = [prompts.pair_seed(b, m) for b in E2E_BACKENDS for m in ("read", "write")]
 
 
-@pytest.fixture(scope="session", params=PAIR_PARAMS)
+@pytest.fixture(scope="module", params=PAIR_PARAMS)
 def pair(request, tiny_model, log_dir, baseline):
     backend, mode = request.param
-    usable, reason = _backend_usable(backend)
-    if not usable:
-        pytest.skip(f"kvtransport backend {backend!r} not usable here: {reason}")
+    skip_unless_usable(backend)
     tag = f"{backend}-{mode}"
     pre_port, dec_port = harness.free_port(), harness.free_port()
-    # The side channel is authenticated (HMAC); both engines share one cluster secret,
+    # The side channel is sealed (authenticated and encrypted); both engines share one cluster secret,
     # passed through the environment so it never shows in a command line or log.
     env = {"KVTRANSPORT_SECRET": secrets.token_hex(16)}
     prefill = harness.vllm_server(
