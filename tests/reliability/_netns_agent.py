@@ -69,12 +69,19 @@ def main() -> None:
         elif cmd == "status":
             say(status(msg["id"]))
         elif cmd == "wait":
+            # "limit" is a hang guard. What is reported is an ordering fact: whether any
+            # progress call that began after the transfer's own deadline left it unfinished
+            # (the core must fail it at the first such call: T2).
             end = time.monotonic() + float(msg["limit"])
             t, _ = xfers[msg["id"]]
+            open_past_deadline = False
             while not t.done and time.monotonic() < end:
+                began = time.monotonic()
                 agent.progress()
+                if not t.done and began >= t.deadline:
+                    open_past_deadline = True
                 time.sleep(0.002)
-            say(status(msg["id"]))
+            say({**status(msg["id"]), "open_past_deadline": open_past_deadline})
         elif cmd == "settle":
             end = time.monotonic() + float(msg["limit"])
             while time.monotonic() < end:

@@ -28,7 +28,8 @@ pytestmark = pytest.mark.timeout(180)
 SIZE = 64 << 20
 SEG = 1 << 20
 DEADLINE_S = 4.0
-SLACK_S = 2.0
+#: how long a wait may take before the test calls it hung (not a timing bound)
+HANG_GUARD_S = 60.0
 SCRIPT = Path(__file__).with_name("_netns_agent.py")
 
 
@@ -99,12 +100,14 @@ def test_link_cut_mid_transfer_fails_by_deadline_then_recovers(link):
 
         # 1. a big READ (all 64 MiB), then the link goes down while it is in flight
         big = a.call(cmd="post", op="read", local=_segs(0, 64), remote=_segs(0, 64), timeout=DEADLINE_S)
-        st = a.call(cmd="wait", id=big["id"], limit=0.5)
+        st = a.call(cmd="status", id=big["id"])
         assert st["state"] == "PENDING", f"the READ ended before the cut ({st}); slow the link more"
         assert ip("link", "set", dev_a, "down", ns=ns_a).returncode == 0
-        st = a.call(cmd="wait", id=big["id"], limit=DEADLINE_S + SLACK_S)
+        st = a.call(cmd="wait", id=big["id"], limit=HANG_GUARD_S)
         assert st["state"] == "FAILED", st
-        assert st["age"] <= DEADLINE_S + SLACK_S, f"failed only after {st['age']:.1f}s (deadline {DEADLINE_S}s)"
+        # T2: failed by its deadline at the latest: no progress call begun after the
+        # deadline left it open (the transport may notice the cut earlier)
+        assert not st["open_past_deadline"], f"still pending after its deadline had passed: {st}"
         # T3: quiesced (flush or forced endpoint close), nothing pending, nothing held aside
         stats = a.call(cmd="settle", limit=15)
         assert stats["pending"] == 0 and stats["unquiesced"] == 0, stats
@@ -113,11 +116,11 @@ def test_link_cut_mid_transfer_fails_by_deadline_then_recovers(link):
         # 2. the link is restored: later transfers succeed, byte-exact, both directions
         assert ip("link", "set", dev_a, "up", ns=ns_a).returncode == 0
         rd = a.call(cmd="post", op="read", local=_segs(0, 8), remote=_segs(16 * SEG, 8), timeout=30)
-        st = a.call(cmd="wait", id=rd["id"], limit=35)
+        st = a.call(cmd="wait", id=rd["id"], limit=HANG_GUARD_S)
         assert st["state"] == "DONE", st
         assert a.call(cmd="sha", offsets=[0], lengths=[8 * SEG])["sha"] == sha(theirs, [16 * SEG], [8 * SEG])
         wr = a.call(cmd="post", op="write", local=_segs(0, 4), remote=_segs(40 * SEG, 4), timeout=30)
-        st = a.call(cmd="wait", id=wr["id"], limit=35)
+        st = a.call(cmd="wait", id=wr["id"], limit=HANG_GUARD_S)
         assert st["state"] == "DONE", st
         assert b.call(cmd="sha", offsets=[40 * SEG], lengths=[4 * SEG])["sha"] == sha(theirs, [16 * SEG], [4 * SEG])
 
