@@ -23,7 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from kvtransport.errors import BackendUnavailableError, IncompatiblePeerError, NotificationError
+from kvtransport.errors import (
+    BackendUnavailableError,
+    IncompatiblePeerError,
+    InvalidSegmentsError,
+    NotificationError,
+)
 from kvtransport.process_identity import ProcessIdentity
 from kvtransport.spi import (
     Availability,
@@ -93,17 +98,39 @@ class MooncakeBackend(Backend):
         self._notifier = N.Notifier(self._engine, self._me, agent_name, self._scratch_addr, self.signal_progress)
         self._data = DataPath(self._engine, self.opts, self._notifier)
         self._by_name: dict[str, Conn] = {}
+        #: Mooncake registrations: base address -> (length, ids of the regions using it).
+        self._mc_buffers: dict[int, tuple[int, set[int]]] = {}
+        self._region_buffer: dict[int, int] = {}  # region id -> base address of its buffer
         self._closed = False
 
     # -- memory ---------------------------------------------------------------------------
     def register(self, region: LocalRegion) -> bytes:
+        """Mooncake refuses a buffer overlapping one it has; a region lying inside an
+        existing registration shares it (reference-counted), since Mooncake accepts any
+        address inside a registered buffer."""
+        end = region.addr + region.length
+        for base, (length, users) in self._mc_buffers.items():
+            if base <= region.addr and end <= base + length:
+                users.add(region.id)
+                self._region_buffer[region.id] = base
+                return b""
         rc = self._engine.register_memory(region.addr, region.length)
         if rc != 0:
-            raise RuntimeError(f"Mooncake refused to register {region.length} bytes at {region.addr:#x} (rc={rc})")
+            raise InvalidSegmentsError(
+                f"Mooncake refused to register {region.length} bytes at {region.addr:#x} (rc={rc}): "
+                "it rejects a buffer that partly overlaps or contains one already registered on this "
+                "agent; register the enclosing buffer first, or deregister the overlapping one")
+        self._mc_buffers[region.addr] = (region.length, {region.id})
+        self._region_buffer[region.id] = region.addr
         return b""  # peers address our memory by absolute address (RemoteRegion.addr)
 
     def deregister(self, region: LocalRegion) -> None:
-        self._engine.unregister_memory(region.addr)
+        base = self._region_buffer.pop(region.id)
+        users = self._mc_buffers[base][1]
+        users.discard(region.id)
+        if not users:
+            del self._mc_buffers[base]
+            self._engine.unregister_memory(base)
 
     # -- peers ----------------------------------------------------------------------------
     def export(self) -> bytes:

@@ -122,8 +122,13 @@ def test_deadline_fails_an_in_flight_transfer_and_memory_waits_for_quiescence():
         st = t.wait(30)
         assert st.state is kvt.State.FAILED and "deadline" in st.reason, st
         if not st.quiesced:  # batches were still with Mooncake when the deadline passed
-            with pytest.raises(errors.KVTransportError, match="quiesced"):
+            try:
                 local.deregister(region)
+            except errors.KVTransportError as exc:  # still moving: the region is held
+                assert "quiesced" in str(exc)
+            else:  # the last task ended in between: only then may the region go
+                assert t.status().quiesced
+                region = local.register(buf)
         limit = time.monotonic() + 60
         while not t.status().quiesced and time.monotonic() < limit:
             time.sleep(0.01)
