@@ -324,6 +324,35 @@ class Pair:
         """Step both engines until no request is left anywhere."""
         self.run(lambda: not self.P.scheduler.requests and not self.C.scheduler.requests, timeout)
 
+    def run_to_end_checking_kv(self, rid: str, prompt: list[int], timeout: float = 30.0,
+                               on_step: Callable[[], None] | None = None) -> list[list[int]]:
+        """Step until the consumer's ``rid`` is gone. The first time it is RUNNING with the
+        whole prompt computed, record ``check_kv`` of the prompt (the blocks that differ
+        from the pattern); returns the records (one, or none if never seen so).
+        ``on_step`` is called after every round of steps."""
+        seen: list[list[int]] = []
+
+        def ended() -> bool:
+            if on_step is not None:
+                on_step()
+            req = self.C.scheduler.requests.get(rid)
+            if (not seen and req is not None and self.C.status(rid) == RequestStatus.RUNNING
+                    and req.num_computed_tokens >= len(prompt)):
+                seen.append(self.C.check_kv(rid, prompt, len(prompt)))
+            return req is None
+
+        self.run(ended, timeout)
+        return seen
+
+    def assert_recomputed(self, rid: str, prompt: list[int], kv_checks: list[list[int]]) -> None:
+        """What a user checks of a load that failed under policy "recompute", without a
+        model: the request finished normally, it was scheduled from token 0 (a full local
+        prefill, nothing used from the failed load), and its prompt KV was the locally
+        computed one (``kv_checks`` from :meth:`run_to_end_checking_kv`)."""
+        assert finish_reason(self.C, rid) == "length", f"{rid} not recomputed: {finish_reason(self.C, rid)}"
+        assert self.C.first_start.get(rid) == 0, f"{rid} not rescheduled from token 0: {self.C.first_start.get(rid)}"
+        assert kv_checks == [[]], f"{rid}: recomputed KV differs from the prompt's in blocks {kv_checks}"
+
     def assert_no_leak(self) -> None:
         """R4: both block pools are back to their starting free count."""
         assert self.P.free_blocks() == self.P.free0, "producer leaked blocks"

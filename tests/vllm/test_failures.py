@@ -64,23 +64,10 @@ def _outcome(pair, rid, prompt, policy, load, caplog, because, by_deadline=None)
     when only the deadline could end the load (it must not have been reported before
     its deadline: the transfer was still pending then), False when something else must
     have ended it first (reported before its deadline), None when either may win."""
-    recomputed = []
-
-    def ended():
-        st = pair.C.status(rid)
-        req = pair.C.scheduler.requests.get(rid)
-        if st == RequestStatus.RUNNING and req.num_computed_tokens >= len(prompt) and not recomputed:
-            recomputed.append(pair.C.check_kv(rid, prompt, len(prompt)))
-        return st is None
-
-    load.run(ended)
+    kv_checks = pair.run_to_end_checking_kv(rid, prompt, on_step=load.watch)
     reason = finish_reason(pair.C, rid)
     if policy == "recompute":
-        assert reason == "length", f"expected a recomputed, normally finished request, got {reason}"
-        # What a user would check without a model: rescheduled for a full prefill (nothing
-        # taken from the failed load), the prompt's KV is the locally computed one.
-        assert pair.C.first_start.get(rid) == 0, f"{rid} not recomputed from token 0: {pair.C.first_start.get(rid)}"
-        assert recomputed == [[]], f"recomputed KV differs from the prompt's in blocks {recomputed}"
+        pair.assert_recomputed(rid, prompt, kv_checks)
     else:
         assert reason == "error", f"expected FINISHED_ERROR under policy=fail, got {reason}"
         assert rid not in pair.C.first_start, "a request failed under policy=fail was scheduled"

@@ -145,8 +145,8 @@ def test_slow_read_without_renewal_loses_its_lease(pairs, monkeypatch):
     assert "Renew" in dropped
     assert any(o.invalid_block_ids for o in pair.C.kv_outputs), "expired lease not reported as a load error"
     assert _stat(pair.P, "leases_expired") == 1
+    pair.assert_recomputed("c1", prompt, pair.run_to_end_checking_kv("c1", prompt))
     pair.drain()
-    assert finish_reason(pair.C, "c1") == "length"  # recomputed locally
     assert _times_sent(pair.P, "p1") == 1
     pair.assert_no_leak()
 
@@ -221,8 +221,8 @@ def test_queued_request_renews_lease(pairs, monkeypatch, renew):
     else:
         assert not held
         assert _stat(pair.P, "leases_expired") == 1
+        pair.assert_recomputed("c1", prompt, pair.run_to_end_checking_kv("c1", prompt))
         pair.drain()
-        assert finish_reason(pair.C, "c1") == "length"
         pair.assert_no_leak()
 
 
@@ -267,7 +267,7 @@ def test_stalled_consumer_lets_lease_lapse(pairs):
     pair.run(lambda: pair.C.status("c1") != RequestStatus.WAITING_FOR_REMOTE_KVS)
     assert any(o.invalid_block_ids for o in pair.C.kv_outputs), "bytes accepted after the lease lapsed"
     assert _stat(pair.C, "loads_ok") == 0
+    pair.assert_recomputed("c1", prompt, pair.run_to_end_checking_kv("c1", prompt))
     pair.drain()
-    assert finish_reason(pair.C, "c1") == "length"  # recomputed
     assert _times_sent(pair.P, "p1") == 1
     pair.assert_no_leak()
