@@ -57,9 +57,11 @@ def nixl_error(exc: BaseException, what: str) -> str:
 class Xfer:
     """Backend handle of one kvtransport transfer: the NIXL request and where it stands."""
 
-    __slots__ = ("tid", "conn", "handle", "nbytes", "stage", "reason", "lock", "__weakref__")
+    __slots__ = ("tid", "conn", "handle", "nbytes", "stage", "reason", "lock", "notif", "entry",
+                 "__weakref__")
 
-    def __init__(self, tid: int, conn: Any, handle: Any, nbytes: int) -> None:
+    def __init__(self, tid: int, conn: Any, handle: Any, nbytes: int, notif: bytes = b"",
+                 entry: Any = None) -> None:
         self.tid = tid
         self.conn = conn
         self.handle = handle  # nixl_xfer_handle; None once released
@@ -67,6 +69,8 @@ class Xfer:
         self.stage = Stage.QUEUED
         self.reason = ""
         self.lock = threading.Lock()
+        self.notif = notif  # NIXL message posted with it (b"": none)
+        self.entry = entry  # _reuse.Entry the request goes back to when DONE, or None
 
     @property
     def moving(self) -> bool:
@@ -81,7 +85,7 @@ def post_now(nx: Any, x: Xfer) -> None:
             return
         x.stage = Stage.POSTING
     try:
-        st, reason = nx.transfer(x.handle), ""
+        st, reason = nx.transfer(x.handle, x.notif), ""
     except Exception as exc:
         st, reason = "ERR", nixl_error(exc, "NIXL refused to post the transfer")
     with x.lock:

@@ -12,7 +12,9 @@ One NIXL agent per kvtransport agent. What maps to what:
   ``initialize_xfer`` (NIXL validates and prepares them) and ``transfer``. A kvtransport
   ``notify`` becomes NIXL's ``notif_msg``, which NIXL delivers to the peer after the
   transfer completed; standalone messages use ``send_notif``;
-* ``poll`` -> ``check_xfer_state``; ``notifications`` -> ``get_new_notifs``.
+* ``poll`` -> ``check_xfer_state``; ``notifications`` -> ``get_new_notifs``;
+* a transfer prepared once (``Agent.prepare``) and posted again re-posts its finished
+  NIXL request instead of creating one (``_reuse``): NIXL's cheapest path.
 
 Every message we send starts with one marker byte, so an empty kvtransport payload still
 travels (NIXL drops an empty ``notif_msg``) and messages from foreign NIXL agents are told
@@ -33,11 +35,9 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import secrets
-import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -59,6 +59,8 @@ from kvtransport.spi import (
 
 from . import _probe
 from ._options import NixlOptions, parse_options
+from ._peers import DEC, ENC, Conn, Export, ucx_env
+from ._reuse import RequestCache
 from ._xfer import Poster, Stage, Xfer, nixl_error, post_now, refresh
 
 _MARK = b"K"  # first byte of every notification we send
@@ -68,65 +70,8 @@ _KINDS = {"cpu": "DRAM", "cuda": "VRAM"}
 _THREADED = ("UCX", "OBJ", "LIBFABRIC")
 #: NIXL's storage plugins move memory to files, blocks or object stores, not between agents.
 _STORAGE = frozenset({"POSIX", "GDS", "GDS_MT", "OBJ", "AZURE_BLOB", "GUSLI", "INFINIA", "HF3FS"})
-#: One process environment: UCX_* settings are applied while one plugin starts at a time.
-_ENV_LOCK = threading.Lock()
 #: Agents closed with transfers still in flight: kept alive (never destroyed under a copy).
 _GRAVEYARD: list[Any] = []
-
-
-class _Export(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Agent-level blob: NIXL's metadata and who we are (for same-host liveness checks)."""
-
-    v: int
-    nixl_name: str
-    nixl_md: bytes
-    plugins: list[str]
-    pid: int
-    start_time: int
-    boot_id: str
-    pid_ns: str
-
-
-_ENC = msgspec.msgpack.Encoder()
-_DEC = msgspec.msgpack.Decoder(_Export)
-
-
-class _Conn:
-    """A loaded remote NIXL agent and what we know about its process."""
-
-    def __init__(self, name: str, exp: _Export, regions: Sequence[RemoteRegion]) -> None:
-        self.name = name
-        self.nixl_name = exp.nixl_name
-        self.ident = ProcessIdentity(exp.pid, exp.start_time, exp.boot_id, exp.pid_ns)
-        self.remote_kinds = {r.id: r.kind for r in regions}
-        #: Check the process only for a same-host peer in another process.
-        self.watch = exp.pid != os.getpid() and self.ident.checkable_here()
-        self.next_check = 0.0
-        self.failed: str | None = None
-        self.dead = False  # its process is confirmed gone
-        self.gone = False  # disconnected by the core
-        self.xfers: set[Xfer] = set()
-
-
-@contextlib.contextmanager
-def _ucx_env(settings: Mapping[str, str]) -> Iterator[None]:
-    """UCX_* variables set while NIXL's UCX plugin reads them (plugin start), then restored.
-    NIXL has no per-agent UCX configuration call, so this is the only way to choose
-    transports per agent."""
-    if not settings:
-        yield
-        return
-    with _ENV_LOCK:
-        saved = {k: os.environ.get(f"UCX_{k}") for k in settings}
-        os.environ.update({f"UCX_{k}": v for k, v in settings.items()})
-        try:
-            yield
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(f"UCX_{k}", None)
-                else:
-                    os.environ[f"UCX_{k}"] = v
 
 
 class NixlBackend(Backend):
@@ -163,7 +108,7 @@ class NixlBackend(Backend):
         self._nx = m.nixl_agent(self.nixl_name, cfg)
         for plugin in self.opts.backends:
             try:
-                with _ucx_env(self.opts.ucx_env if plugin == "UCX" else {}):
+                with ucx_env(self.opts.ucx_env if plugin == "UCX" else {}):
                     self._nx.create_backend(plugin, params[plugin])
             except Exception as exc:
                 env = f" with UCX settings {self.opts.ucx_env}" if plugin == "UCX" and self.opts.ucx_env else ""
@@ -178,10 +123,11 @@ class NixlBackend(Backend):
         self._ident = ProcessIdentity.current()
         self._regs: dict[int, Any] = {}
         self._kinds: dict[int, tuple[str, int]] = {}
-        self._by_name: dict[str, _Conn] = {}
-        self._loaded: dict[str, _Conn] = {}  # NIXL agent name -> the conn that loaded it
-        self._parting: list[_Conn] = []  # disconnected, waiting for in-flight transfers
+        self._by_name: dict[str, Conn] = {}
+        self._loaded: dict[str, Conn] = {}  # NIXL agent name -> the conn that loaded it
+        self._parting: list[Conn] = []  # disconnected, waiting for in-flight transfers
         self._poster: Poster | None = None
+        self._reuse = RequestCache()
         self._foreign = 0
         self._closed = False
 
@@ -234,12 +180,12 @@ class NixlBackend(Backend):
     # -- peers ----------------------------------------------------------------------------
     def export(self) -> bytes:
         i = self._ident
-        return _ENC.encode(_Export(1, self.nixl_name, self._nx.get_agent_metadata(), list(self.opts.backends),
+        return ENC.encode(Export(1, self.nixl_name, self._nx.get_agent_metadata(), list(self.opts.backends),
                                    i.pid, i.start_time, i.boot_id, i.pid_ns))
 
-    def connect(self, peer_name: str, blob: bytes, regions: Sequence[RemoteRegion]) -> _Conn:
+    def connect(self, peer_name: str, blob: bytes, regions: Sequence[RemoteRegion]) -> Conn:
         try:
-            exp = _DEC.decode(blob)
+            exp = DEC.decode(blob)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise PeerMetadataError(f"nixl blob of peer {peer_name!r} is malformed: {exc}") from None
         if exp.v != 1:
@@ -259,12 +205,12 @@ class NixlBackend(Backend):
                 self._nx.remove_remote_agent(loaded)
             raise PeerMetadataError(f"peer {peer_name!r}: its NIXL metadata is for agent {loaded!r}, "
                                     f"its blob says {exp.nixl_name!r}")
-        conn = _Conn(peer_name, exp, regions)
+        conn = Conn(peer_name, exp, regions)
         self._loaded[exp.nixl_name] = conn
         self._by_name[peer_name] = conn
         return conn
 
-    def disconnect(self, peer: _Conn) -> None:
+    def disconnect(self, peer: Conn) -> None:
         peer.gone = True
         if self._by_name.get(peer.name) is peer:
             del self._by_name[peer.name]
@@ -278,18 +224,20 @@ class NixlBackend(Backend):
         for conn in self._parting:
             if any(x.moving for x in conn.xfers):
                 keep.append(conn)
-            elif self._loaded.get(conn.nixl_name) is conn:
+                continue
+            self._reuse.drop_conn(conn)  # kept requests first: they name the peer
+            if self._loaded.get(conn.nixl_name) is conn:
                 del self._loaded[conn.nixl_name]
                 with contextlib.suppress(Exception):
                     self._nx.remove_remote_agent(conn.nixl_name)
         self._parting = keep
 
-    def peer_alive(self, peer: _Conn) -> bool | None:
+    def peer_alive(self, peer: Conn) -> bool | None:
         if peer.dead:
             return False
         return peer.ident.is_alive() if peer.watch else None
 
-    def _check_peer(self, conn: _Conn) -> None:
+    def _check_peer(self, conn: Conn) -> None:
         """Same-host peers: a process that exited fails its transfers now, not at the deadline."""
         if not conn.watch or conn.dead:
             return
@@ -314,31 +262,35 @@ class NixlBackend(Backend):
                                    "split this transfer by region kind")
         return first
 
-    def _remote_kind(self, conn: _Conn, regions: np.ndarray) -> str:
-        kinds = {conn.remote_kinds.get(int(r), "cpu") for r in np.unique(regions)} \
-            if any(k != "cpu" for k in conn.remote_kinds.values()) else {"cpu"}
+    def _remote_kind(self, conn: Conn, regions: np.ndarray) -> str:
+        if conn.all_cpu:
+            return "DRAM"
+        kinds = {conn.remote_kinds.get(int(r), "cpu") for r in np.unique(regions)}
         if len(kinds) != 1 or next(iter(kinds)) not in _KINDS:
             raise KVTransportError(f"remote segments span memory kinds {sorted(kinds)}; NIXL moves one per side")
         return _KINDS[kinds.pop()]
 
     def post(self, req: PostRequest) -> Xfer:
-        conn: _Conn = req.peer
+        conn: Conn = req.peer
         self._check_peer(conn)
         if conn.failed:
             raise KVTransportError(conn.failed)
-        kind, dev = self._local_kind(req.local_region)
-        rkind = self._remote_kind(conn, req.remote_region)
         notif = b"" if req.notify is None else _MARK + req.notify
-        try:
-            local = self._descs(req.local_addr, req.length, kind, dev)
-            remote = self._descs(req.remote_addr, req.length, rkind, 0)
-            handle = self._nx.initialize_xfer("READ" if req.op is Op.READ else "WRITE", local, remote,
-                                              conn.nixl_name, notif)
-        except Exception as exc:
-            raise KVTransportError(nixl_error(exc, f"NIXL refused the transfer to {conn.name!r}")) from None
-        x = Xfer(req.transfer_id, conn, handle, req.nbytes)
+        handle, entry = self._reuse.take(req, conn)  # a finished request of this preparation
+        if handle is None:
+            kind, dev = self._local_kind(req.local_region)
+            rkind = self._remote_kind(conn, req.remote_region)
+            try:
+                local = self._descs(req.local_addr, req.length, kind, dev)
+                remote = self._descs(req.remote_addr, req.length, rkind, 0)
+                handle = self._nx.initialize_xfer("READ" if req.op is Op.READ else "WRITE", local, remote,
+                                                  conn.nixl_name, notif)
+            except Exception as exc:
+                raise KVTransportError(nixl_error(exc, f"NIXL refused the transfer to {conn.name!r}")) from None
+        nbytes = req.nbytes
+        x = Xfer(req.transfer_id, conn, handle, nbytes, notif, entry)
         conn.xfers.add(x)
-        if req.nbytes <= self.opts.inline_post_bytes:
+        if nbytes <= self.opts.inline_post_bytes:
             post_now(self._nx, x)
         else:
             if self._poster is None:
@@ -387,7 +339,10 @@ class NixlBackend(Backend):
             if handle.moving or handle.handle is None:
                 return  # never release a pending NIXL request: that blocks and aborts nothing
             h, handle.handle = handle.handle, None
+            done = handle.stage is Stage.DONE
         handle.conn.xfers.discard(handle)
+        if done and not handle.conn.gone and self._reuse.give_back(handle.entry, h, bool(handle.notif)):
+            return  # kept for the next post of the same preparation
         with contextlib.suppress(Exception):
             h.release()
 
@@ -404,7 +359,7 @@ class NixlBackend(Backend):
                     self._foreign += 1  # not from a kvtransport agent: not ours to deliver
         return out
 
-    def send_notification(self, peer: _Conn, payload: bytes) -> None:
+    def send_notification(self, peer: Conn, payload: bytes) -> None:
         self._check_peer(peer)
         if peer.failed:
             raise KVTransportError(peer.failed)
@@ -433,6 +388,7 @@ class NixlBackend(Backend):
             return
         for x in xfers:
             self.release(x)
+        self._reuse.clear()
         for name in list(self._loaded):
             with contextlib.suppress(Exception):
                 self._nx.remove_remote_agent(name)

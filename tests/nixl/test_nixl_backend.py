@@ -287,3 +287,27 @@ def test_cli_lists_nixl_usable_here():
     out = _child("from kvtransport.cli import main; main(['backends', '--json'])")
     rows = {r["name"]: r for r in json.loads(out)}  # stdout is pure JSON: NIXL's INFO lines are quiet
     assert rows["nixl"]["usable"] is True, rows["nixl"]
+
+
+def test_prepared_transfer_reposted_moves_fresh_bytes_and_only_its_own_notifications(two_proc):
+    """Posting one preparation again re-posts its finished NIXL request. NIXL keeps a
+    request's message across re-posts, so a post without ``notify`` after one with it
+    must not send the old message again; every post moves the bytes as they are now."""
+    local, buf, region, far, peer = two_proc
+    remote = peer.region(far.region_id)
+    lids, rids = _blocks(12, 64)
+    prep = local.prepare(kvt.Op.WRITE, peer, _segs(region, lids), _segs(remote, rids))
+    far.notifications(0, 0)
+    # The last post carries a sentinel: a stale message re-sent by any earlier post would
+    # arrive before it (each post is waited for before the next).
+    sent = [b"first", None, None, b"", b"fifth", None, b"sentinel"]
+    for k, note in enumerate(sent):
+        buf[:] = pattern(100 + k, SIZE)
+        t = local.post(prep, notify=note)
+        assert t.wait(60).ok, t.status()
+        t.release()
+        theirs = np.frombuffer(far.bytes(), np.uint8).reshape(NBLOCKS, BLOCK)
+        assert np.array_equal(theirs[rids], buf.reshape(NBLOCKS, BLOCK)[lids]), f"post {k}"
+    want = [("nx-local", n) for n in sent if n is not None]
+    got = far.notifications(len(want), 10)
+    assert got == want
