@@ -89,7 +89,10 @@ class Notifier:
         """Stop after the queued notifications; True if the thread ended in time."""
         self._q.put(None)
         self._thread.join(timeout)
-        return not self._thread.is_alive()
+        if self._thread.is_alive():
+            return False
+        self._engine = None  # let the engine be destroyed with its last reference
+        return True
 
 
 def drain(engine: Any) -> list[tuple[str, bytes]]:

@@ -49,3 +49,17 @@ def test_nested_regions_share_a_registration_and_overlaps_are_refused(pair):
     b.deregister(inner)
     again = b.register(src)  # nothing registered any more: the enclosing buffer is accepted
     b.deregister(again)
+
+
+def test_close_releases_the_engine_and_its_port():
+    """After ``close`` the engine is destroyed: its hand-shake port refuses connections."""
+    import socket
+
+    skip_unless_usable("mooncake")
+    agent = kvt.open("mooncake", name="mem-close")
+    agent.register(np.zeros(4096, np.uint8))
+    host, port = agent.describe()["session"].rsplit(":", 1)
+    socket.create_connection((host, int(port)), timeout=5).close()  # listening while open
+    agent.close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((host, int(port)), timeout=5)
