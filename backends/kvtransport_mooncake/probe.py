@@ -4,8 +4,9 @@ Checked in order, each with its own reason and install hint:
 
 1. the ``mooncake`` package is installed (``mooncake-transfer-engine-non-cuda`` here, or the
    CUDA wheel ``mooncake-transfer-engine``);
-2. ``mooncake.engine`` loads: even the TCP transport links ``libibverbs.so.1``, so a host
-   without the system's verbs library fails here with the loader's message;
+2. ``mooncake.engine`` loads: it links system libraries the wheel does not bundle --
+   ``libibverbs.so.1`` (even for the TCP transport), ``libnuma.so.1``, ``libcurl.so.4`` -- so a
+   host without one fails here with the loader's message, mapped to the apt package;
 3. ``engine.so`` exports the C++ status entry points this backend polls with (``_abi``);
 4. a Transfer Engine initialises with the peer-to-peer hand-shake on 127.0.0.1 over TCP
    (it binds two free ports and releases them). Done once per process and cached.
@@ -25,7 +26,11 @@ from kvtransport.spi import Availability
 from . import _abi
 
 PIP_HINT = "pip install 'kvtransport[mooncake]'  (installs mooncake-transfer-engine-non-cuda)"
-APT_HINT = "apt-get install libibverbs1  (Mooncake links libibverbs.so.1 even for TCP)"
+#: System libraries ``mooncake/engine.so`` links (not bundled in the wheel) -> Debian/Ubuntu
+#: package. libibverbs is needed even for the TCP transport.
+SYSTEM_LIBS = {"libibverbs.so": "libibverbs1", "libnuma.so": "libnuma1", "libcurl.so": "libcurl4",
+               "libnl-route-3.so": "libnl-route-3-200", "libnl-3.so": "libnl-3-200"}
+APT_ALL = "apt-get install libibverbs1 libnuma1 libcurl4"
 
 
 def load_engine_module():
@@ -44,9 +49,13 @@ def probe() -> Availability:
         me = load_engine_module()
     except (ImportError, OSError) as exc:
         text = f"{type(exc).__name__}: {exc}"
-        if "libibverbs" in text or "ibverbs" in text:
-            return Availability(False, f"mooncake.engine cannot load the system's verbs library: {text}",
-                                APT_HINT)
+        for lib, pkg in SYSTEM_LIBS.items():
+            if lib in text:
+                return Availability(
+                    False, f"mooncake.engine cannot load the system library {lib}*: {text}",
+                    f"apt-get install {pkg}  (Mooncake's engine.so links it even for TCP; all it needs: {APT_ALL})")
+        if "shared object" in text:
+            return Availability(False, f"mooncake.engine cannot load a system library: {text}", APT_ALL)
         return Availability(False, f"mooncake.engine cannot be imported: {text}", PIP_HINT)
     why = _abi.check()
     if why:

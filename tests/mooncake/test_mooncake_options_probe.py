@@ -115,23 +115,24 @@ def _can_unshare_mounts() -> bool:
     return subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0
 
 
-def test_cli_reason_and_hint_when_libibverbs_is_missing():
-    """Real loader failure: libibverbs.so.1 replaced by an empty file in a private mount
+@pytest.mark.parametrize("soname, package", [("libibverbs.so.1", "libibverbs1"), ("libnuma.so.1", "libnuma1")])
+def test_cli_reason_and_hint_when_a_system_library_is_missing(soname, package):
+    """Real loader failure: the library replaced by an empty file in a private mount
     namespace; ``kvtransport backends`` names the library and the apt package."""
     skip_unless_usable("mooncake")
     if not _can_unshare_mounts():
-        pytest.skip("needs root and mount namespaces (unshare -m) to hide libibverbs from the loader")
-    lib = subprocess.run(["sh", "-c", "ldconfig -p | awk '/libibverbs.so.1 /{print $NF; exit}'"],
+        pytest.skip(f"needs root and mount namespaces (unshare -m) to hide {soname} from the loader")
+    lib = subprocess.run(["sh", "-c", f"ldconfig -p | awk '/{soname} /{{print $NF; exit}}'"],
                          capture_output=True, text=True).stdout.strip()
     if not lib:
-        pytest.skip("libibverbs.so.1 is not in the loader cache")
+        pytest.skip(f"{soname} is not in the loader cache")
     script = f"mount --bind /dev/null {os.path.realpath(lib)} && exec {' '.join(CLI)}"
     out = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {r["name"]: r for r in json.loads(out.stdout)}
     assert rows["mooncake"]["usable"] is False
-    assert "libibverbs.so.1" in rows["mooncake"]["reason"]
-    assert rows["mooncake"]["install_hint"].startswith("apt-get install libibverbs1")
+    assert soname in rows["mooncake"]["reason"]
+    assert rows["mooncake"]["install_hint"].startswith(f"apt-get install {package} ")
     assert rows["loopback"]["usable"] is True  # one backend's missing library hides no other
 
 
