@@ -128,6 +128,7 @@ class NixlBackend(Backend):
         self._parting: list[Conn] = []  # disconnected, waiting for in-flight transfers
         self._poster: Poster | None = None
         self._reuse = RequestCache()
+        self._stuck: set[Xfer] = set()  # released by the core while NIXL still runs them
         self._foreign = 0
         self._closed = False
 
@@ -270,7 +271,16 @@ class NixlBackend(Backend):
             raise KVTransportError(f"remote segments span memory kinds {sorted(kinds)}; NIXL moves one per side")
         return _KINDS[kinds.pop()]
 
+    def _drain_stuck(self) -> None:
+        for x in list(self._stuck):
+            refresh(self._nx, x)
+            if not x.moving:
+                self._stuck.discard(x)
+                self.release(x)
+
     def post(self, req: PostRequest) -> Xfer:
+        if self._stuck:
+            self._drain_stuck()
         conn: Conn = req.peer
         self._check_peer(conn)
         if conn.failed:
@@ -336,8 +346,14 @@ class NixlBackend(Backend):
 
     def release(self, handle: Xfer) -> None:
         with handle.lock:
-            if handle.moving or handle.handle is None:
-                return  # never release a pending NIXL request: that blocks and aborts nothing
+            if handle.handle is None:
+                return
+            if handle.moving:
+                # Never release a pending NIXL request (that blocks for seconds and aborts
+                # nothing) and never let Python's GC do it (nixl_xfer_handle.__del__ does):
+                # keep it until NIXL ends it (peer died, _quiet said so).
+                self._stuck.add(handle)
+                return
             h, handle.handle = handle.handle, None
             done = handle.stage is Stage.DONE
         handle.conn.xfers.discard(handle)
@@ -378,6 +394,7 @@ class NixlBackend(Backend):
         if self._poster is not None:
             self._poster.stop(self.opts.close_grace_s)
         xfers = [x for c in itertools.chain(self._by_name.values(), self._parting) for x in c.xfers]
+        xfers += self._stuck
         limit = time.monotonic() + self.opts.close_grace_s
         while any(x.moving for x in xfers) and time.monotonic() < limit:
             for x in xfers:
