@@ -35,3 +35,28 @@ def test_soak_short_over_mooncake(mode):
     assert res.faults.get("core_fail") and res.faults.get("sc_drop"), f"faults not injected: {res.faults}"
     assert res.loads_ok > 75, f"too few loads succeeded: {res.loads_ok}"
     assert res.blocks_verified > 0
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_soak_producer_killed_and_restarted_over_mooncake(mode):
+    """The producer runs in a child that is SIGKILLed twice and restarted on the same side-
+    channel port (its Mooncake engine gets new ports): loads in flight fail, none violates
+    an invariant, nothing leaks."""
+    skip_unless_usable("mooncake")
+    pytest.importorskip("vllm")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("KVTRANSPORT_SECRET", "kvtransport-test-cluster-secret")
+    if SOAK_TESTS not in sys.path:
+        sys.path.insert(0, SOAK_TESTS)
+    from soak_harness import Soak, SoakConfig
+
+    cfg = SoakConfig(mode=mode, requests=150, seed=401, backend="mooncake", child_producer=True,
+                     kill_at=(0.3, 0.6), p_abort_rate=0.04, late_forward_rate=0.04, never_forward_rate=0.03)
+    res = Soak(cfg).run()
+    s = res.summary()
+    print(f"\nSOAK-MOONCAKE-KILL {s}")
+    assert not res.violations, f"{len(res.violations)} invariant violations, first: " + "\n".join(res.violations[:10])
+    assert all(v == 0 for v in res.leaks.values()), f"leaks at the end: {res.leaks}"
+    assert res.producer_kills == 2
+    assert res.loads_ok > 45, f"too few loads succeeded: {res.loads_ok}"
+    assert res.blocks_verified > 0
