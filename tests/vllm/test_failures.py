@@ -19,24 +19,25 @@ POLICIES = ["recompute", "fail"]
 
 
 class _Load:
-    """What the consumer's worker did with one load: its own deadline for it, and when
-    (monotonic time at the start of the consumer step) the load was reported ended."""
+    """What the consumer's worker did with one load: its own deadline for it, and the
+    round of steps in which the load was reported ended (monotonic start and end)."""
 
     def __init__(self, pair, rid: str) -> None:
         self.pair, self.rid = pair, rid
         self.deadline: float | None = None
-        self.reported_at: float | None = None
+        self.reported_in: tuple[float, float] | None = None
         self._n = 0
         self._step_started = time.monotonic()
 
     def watch(self) -> None:
-        """Call after each round of steps: note the deadline and the reporting step."""
+        """Call after each round of steps: note the deadline and the reporting round."""
+        now = time.monotonic()
         r = self.pair.C.worker._worker._recv.get(self.rid)
         if r is not None and self.deadline is None:
             self.deadline = r.deadline
         outs = self.pair.C.kv_outputs
-        if self.reported_at is None and any(self.rid in (o.finished_recving or ()) for o in outs[self._n:]):
-            self.reported_at = self._step_started
+        if self.reported_in is None and any(self.rid in (o.finished_recving or ()) for o in outs[self._n:]):
+            self.reported_in = (self._step_started, now)
         self._n = len(outs)
         self._step_started = time.monotonic()
 
@@ -60,10 +61,11 @@ def _failed_because(caplog, rid: str) -> str:
 def _outcome(pair, rid, prompt, policy, load, caplog, because, by_deadline=None):
     """Run to the end and check the policy's outcome, why the load ended, R2 and R4.
 
-    ``because``: a phrase (or phrases, any one) the logged failure reason must contain. ``by_deadline``: True
-    when only the deadline could end the load (it must not have been reported before
-    its deadline: the transfer was still pending then), False when something else must
-    have ended it first (reported before its deadline), None when either may win."""
+    ``because``: a phrase (or phrases, any one) the logged failure reason must contain.
+    ``by_deadline``: True when only the deadline could end the load (the steps that
+    reported it ended after its deadline: it was still pending when the deadline came),
+    False when something else ended it first (those steps began before its deadline),
+    None when either may win."""
     kv_checks = pair.run_to_end_checking_kv(rid, prompt, on_step=load.watch)
     reason = finish_reason(pair.C, rid)
     if policy == "recompute":
@@ -72,15 +74,16 @@ def _outcome(pair, rid, prompt, policy, load, caplog, because, by_deadline=None)
         assert reason == "error", f"expected FINISHED_ERROR under policy=fail, got {reason}"
         assert rid not in pair.C.first_start, "a request failed under policy=fail was scheduled"
     # R2: the load ended, for the expected reason, on the right side of its deadline
-    assert load.reported_at is not None, "the load was never reported ended"
+    assert load.reported_in is not None, "the load was never reported ended"
     why = _failed_because(caplog, rid)
     because = (because,) if isinstance(because, str) else because
     assert any(b in why for b in because), f"load failed for {why!r}, expected one of {because!r}"
     if by_deadline is not None and load.deadline is None:
         assert not by_deadline, "ended before the worker took the load: no deadline to have passed"
-    elif by_deadline is not None:
-        assert (load.reported_at >= load.deadline) == by_deadline, (
-            f"load reported {'before' if by_deadline else 'after'} its deadline ({why})")
+    elif by_deadline:
+        assert load.reported_in[1] >= load.deadline, f"load reported before its deadline ({why})"
+    elif by_deadline is False:
+        assert load.reported_in[0] < load.deadline, f"load reported only after its deadline ({why})"
     fails = sum(o.kv_connector_stats.data["failures"] for o in pair.C.kv_outputs if o.kv_connector_stats)
     assert fails >= 1
     pair.drain()
