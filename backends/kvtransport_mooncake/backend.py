@@ -29,6 +29,7 @@ from kvtransport.errors import (
     InvalidSegmentsError,
     NotificationError,
 )
+from kvtransport.notify import new_notification_key
 from kvtransport.process_identity import ProcessIdentity
 from kvtransport.spi import (
     Availability,
@@ -95,8 +96,10 @@ class MooncakeBackend(Backend):
         if self._engine.register_memory(self._scratch_addr, self._scratch.nbytes) != 0:
             raise BackendUnavailableError(self.name, "Mooncake refused to register an 8-byte buffer")
         self._ident = ProcessIdentity.current()
+        self._notify_key = new_notification_key()
+        self._inbox = N.Inbox(self._notify_key, agent_name)
         self._notifier = N.Notifier(self._engine, self._me, agent_name, self._scratch_addr, self.signal_progress)
-        self._data = DataPath(self._engine, self.opts, self._notifier)
+        self._data = DataPath(self._engine, self.opts, self._notifier, agent_name)
         self._by_name: dict[str, Conn] = {}
         #: Mooncake registrations: base address -> (length, ids of the regions using it).
         self._mc_buffers: dict[int, tuple[int, set[int]]] = {}
@@ -136,7 +139,7 @@ class MooncakeBackend(Backend):
     def export(self) -> bytes:
         i = self._ident
         return wire.encode(wire.Export(wire.WIRE_VERSION, self.session, self.opts.protocol, self._scratch_addr,
-                                       i.pid, i.start_time, i.boot_id, i.pid_ns))
+                                       i.pid, i.start_time, i.boot_id, i.pid_ns, self._notify_key))
 
     def connect(self, peer_name: str, blob: bytes, regions: Sequence[RemoteRegion]) -> Conn:
         exp = wire.decode(peer_name, blob, self.opts.protocol)
@@ -176,13 +179,14 @@ class MooncakeBackend(Backend):
 
     # -- notifications --------------------------------------------------------------------
     def notifications(self) -> list[tuple[str, bytes]]:
-        return N.drain(self._engine)
+        return self._inbox.drain(self._engine)
 
     def send_notification(self, peer: Conn, payload: bytes) -> None:
         """Queued behind earlier notifications; raises if the peer is known gone."""
         if peer.gone or peer.alive() is False:
             raise NotificationError(f"peer {peer.name!r} is gone: {peer.gone or 'its process exited'}")
-        self._notifier.submit(N.NotifyJob(peer.session, peer.exp.scratch_addr, bytes(payload)))
+        self._notifier.submit(N.NotifyJob(peer.session, peer.exp.scratch_addr,
+                                          N.seal(peer.auth, self.agent_name, bytes(payload))))
 
     # -- lifetime -------------------------------------------------------------------------
     def close(self) -> None:
@@ -202,4 +206,4 @@ class MooncakeBackend(Backend):
     def describe(self) -> dict[str, Any]:
         return {"transport": f"mooncake-{self.opts.protocol}", "session": self.session,
                 "hostname": self.opts.hostname, "device_name": self.opts.device_name,
-                "peers": sorted(self._by_name)}
+                "peers": sorted(self._by_name), "notification_refusals": self._inbox.refusals}

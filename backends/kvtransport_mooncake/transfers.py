@@ -30,7 +30,8 @@ from kvtransport.process_identity import ProcessIdentity
 from kvtransport.spi import Op, PollResult, PostRequest
 
 from ._abi import EngineStatus, TaskState
-from .notify import Notifier, NotifyJob
+from .notify import Notifier, NotifyJob, seal
+from .notify import authenticator as seal_for
 from .options import MooncakeOptions
 from .wire import Export
 
@@ -53,6 +54,9 @@ class Conn:
         self.name = name
         self.exp = exp
         self.session = exp.session
+        #: Seals our notifications to this peer with its key (used on the notifier thread
+        #: only after being created here).
+        self.auth = seal_for(exp.notify_key)
         self.ident = ProcessIdentity(exp.pid, exp.start_time, exp.boot_id, exp.pid_ns)
         #: Check the peer's process while transfers are pending: same host, other process.
         self.watch = self.ident.checkable_here() and exp.pid != os.getpid()
@@ -85,8 +89,9 @@ class Job:
 class DataPath:
     """The data path of one backend instance (one Mooncake engine)."""
 
-    def __init__(self, engine: Any, opts: MooncakeOptions, notifier: Notifier) -> None:
+    def __init__(self, engine: Any, opts: MooncakeOptions, notifier: Notifier, sender: str) -> None:
         self._engine = engine
+        self._sender = sender
         self._status = EngineStatus(engine.get_engine_ptr())
         self._opts = opts
         self._notifier = notifier
@@ -159,8 +164,13 @@ class DataPath:
         if job.req.notify is None:
             job.state = JobState.DONE
             return
+        try:
+            msg = seal(job.conn.auth, self._sender, job.req.notify)
+        except Exception as exc:  # e.g. payload over the notification size limit
+            job.state, job.reason = JobState.FAILED, f"notification not sent: {exc}"
+            return
         job.state = JobState.NOTIFYING
-        job.notify = self._notifier.submit(NotifyJob(job.conn.session, job.conn.exp.scratch_addr, job.req.notify))
+        job.notify = self._notifier.submit(NotifyJob(job.conn.session, job.conn.exp.scratch_addr, msg))
 
     def _check_peer(self, conn: Conn) -> None:
         if conn.gone or not conn.watch or not conn.jobs:

@@ -12,6 +12,7 @@ import re
 import msgspec
 
 from kvtransport.errors import IncompatiblePeerError, PeerMetadataError
+from kvtransport.notify import KEY_BYTES
 
 WIRE_VERSION = 1
 _SESSION_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):([0-9]{1,5})$")
@@ -30,6 +31,8 @@ class Export(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     start_time: int
     boot_id: str
     pid_ns: str
+    #: The receiver's notification key: senders seal their notifications with it.
+    notify_key: bytes
 
 
 _ENC = msgspec.msgpack.Encoder()
@@ -51,7 +54,7 @@ def decode(peer_name: str, blob: bytes, protocol: str) -> Export:
     m = _SESSION_RE.match(exp.session)
     if m is None or not 0 < int(m.group(2)) < 65536:
         raise PeerMetadataError(f"mooncake blob of peer {peer_name!r} has an invalid session id {exp.session!r}")
-    if exp.scratch_addr <= 0 or exp.pid <= 0:
+    if exp.scratch_addr <= 0 or exp.pid <= 0 or len(exp.notify_key) != KEY_BYTES:
         raise PeerMetadataError(f"mooncake blob of peer {peer_name!r} has invalid fields")
     if exp.protocol != protocol:
         raise IncompatiblePeerError(f"peer {peer_name!r} runs Mooncake protocol {exp.protocol!r}, this agent "

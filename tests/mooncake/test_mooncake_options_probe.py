@@ -59,13 +59,15 @@ def test_peer_blobs_decoded_strictly():
         blob = a._backend.export()
         exp = wire.decode("a", blob, "tcp")
         assert exp.session.startswith("127.0.0.1:")
+        key = exp.notify_key
         with pytest.raises(errors.IncompatiblePeerError, match="protocol 'tcp'.*'rdma'"):
             wire.decode("a", blob, "rdma")
         bad = [b"", blob[:-3], blob + b"\x00",
-               wire.encode(wire.Export(2, exp.session, "tcp", 8, 1, 1, "", "")),
-               wire.encode(wire.Export(1, "no-port", "tcp", 8, 1, 1, "", "")),
-               wire.encode(wire.Export(1, "h:70000", "tcp", 8, 1, 1, "", "")),
-               wire.encode(wire.Export(1, exp.session, "tcp", 0, 1, 1, "", ""))]
+               wire.encode(wire.Export(2, exp.session, "tcp", 8, 1, 1, "", "", key)),
+               wire.encode(wire.Export(1, "no-port", "tcp", 8, 1, 1, "", "", key)),
+               wire.encode(wire.Export(1, "h:70000", "tcp", 8, 1, 1, "", "", key)),
+               wire.encode(wire.Export(1, exp.session, "tcp", 0, 1, 1, "", "", key)),
+               wire.encode(wire.Export(1, exp.session, "tcp", 8, 1, 1, "", "", b"short-key"))]
         for b in bad:
             with pytest.raises(errors.PeerMetadataError):
                 wire.decode("a", b, "tcp")
