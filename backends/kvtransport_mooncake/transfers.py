@@ -114,8 +114,12 @@ class DataPath:
             call = self._engine.batch_transfer_async_read
         else:
             call = self._engine.batch_transfer_async_write
-        bid = call(job.conn.session, r.local_addr[i:end].tolist(), r.remote_addr[i:end].tolist(),
-                   r.length[i:end].tolist())
+        try:
+            bid = call(job.conn.session, r.local_addr[i:end].tolist(), r.remote_addr[i:end].tolist(),
+                       r.length[i:end].tolist())
+        except Exception as exc:  # the binding raised: this transfer fails, the agent serves on
+            job.fail(f"Mooncake could not submit segments {i}..{end}: {type(exc).__name__}: {exc}")
+            return
         if bid in _BAD_BATCH_IDS:
             job.fail(f"Mooncake refused to submit segments {i}..{end} to {job.conn.session} "
                      "(peer segment cannot be opened or the transport refused the batch)")
