@@ -11,9 +11,13 @@ NIXL keeps a request's notification across re-posts (a re-post with an empty mes
 sends the previous one again: measured with nixl-cu12 1.5.1), so a request that carried a
 notification is re-used only by a post that sets its own.
 
-Entries are keyed by the identity of the preparation's ``length`` array and hold only a
-weak reference to it: a preparation that dies is noticed (the reference is dead or the id
-now names another array) and its requests are released. The cache is bounded (LRU).
+Entries are keyed by the identity of the preparation's ``local_addr`` array (computed
+fresh by every ``Agent.prepare``; ``length`` is not enough: it may be the caller's own
+array, shared by different transfers) and hold only weak references to the three arrays
+that define the request (local addresses, remote addresses, lengths): a request is
+re-posted only for the very same three objects. A preparation that dies is noticed (a dead
+reference, or the id now names another array) and its requests are released. The cache is
+bounded (LRU).
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ LIMIT = 256
 
 
 class Entry:
-    __slots__ = ("ref", "op", "conn", "idle")
+    __slots__ = ("ref", "rrem", "rlen", "op", "conn", "idle")
 
     def __init__(self, req: PostRequest, conn: Any) -> None:
-        self.ref = weakref.ref(req.length)
+        self.ref = weakref.ref(req.local_addr)
+        self.rrem = weakref.ref(req.remote_addr)
+        self.rlen = weakref.ref(req.length)
         self.op = req.op
         self.conn = conn
         self.idle: list[tuple[Any, bool]] = []  # (NIXL request, carries a notification)
@@ -53,11 +59,12 @@ class RequestCache:
     def take(self, req: PostRequest, conn: Any) -> tuple[Any, Entry | None]:
         """A finished NIXL request to re-post for ``req`` (or None), and the entry to give
         the request back to when its transfer is done (None: do not keep it)."""
-        if req.length.flags.writeable:
+        if req.local_addr.flags.writeable or req.remote_addr.flags.writeable or req.length.flags.writeable:
             return None, None  # not a core preparation: its arrays may change
-        key = id(req.length)
+        key = id(req.local_addr)
         e = self._d.get(key)
-        if e is not None and (e.ref() is not req.length or e.conn is not conn or e.op is not req.op):
+        if e is not None and (e.ref() is not req.local_addr or e.rrem() is not req.remote_addr
+                              or e.rlen() is not req.length or e.conn is not conn or e.op is not req.op):
             _release(self._d.pop(key))
             e = None
         if e is None:

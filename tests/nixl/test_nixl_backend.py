@@ -311,3 +311,44 @@ def test_prepared_transfer_reposted_moves_fresh_bytes_and_only_its_own_notificat
     want = [("nx-local", n) for n in sent if n is not None]
     got = far.notifications(len(want), 10)
     assert got == want
+
+
+def test_two_preparations_sharing_one_lengths_array_each_move_their_own_blocks(two_proc):
+    """A re-posted NIXL request is bound to its preparation's addresses: preparations whose
+    Segments share the caller's lengths array must never re-post each other's request."""
+    local, buf, region, far, peer = two_proc
+    remote = peer.region(far.region_id)
+    lens = np.full(8, BLOCK)
+    a_ids, b_ids = np.arange(0, 16, 2), np.arange(100, 116, 2)
+    preps = {name: local.prepare(kvt.Op.WRITE, peer, region.segments(ids * BLOCK, lens),
+                                 remote.segments(ids * BLOCK, lens))
+             for name, ids in (("a", a_ids), ("b", b_ids))}
+    for k, (name, ids) in enumerate([("a", a_ids), ("b", b_ids), ("a", a_ids), ("b", b_ids)]):
+        far.fill(40 + k)
+        buf[:] = pattern(60 + k, SIZE)
+        t = local.post(preps[name])
+        assert t.wait(60).ok, t.status()
+        t.release()
+        theirs = np.frombuffer(far.bytes(), np.uint8).reshape(NBLOCKS, BLOCK)
+        mine = buf.reshape(NBLOCKS, BLOCK)
+        assert np.array_equal(theirs[ids], mine[ids]), f"post {k} ({name}) moved other blocks"
+        others = np.setdiff1d(np.arange(NBLOCKS), ids)
+        assert np.array_equal(theirs[others], pattern(40 + k, SIZE).reshape(NBLOCKS, BLOCK)[others])
+
+
+def test_one_local_segments_object_written_to_two_remote_places(two_proc):
+    """One-off writes reuse the caller's Segments objects: the same local Segments sent to two
+    remote places must land in each (the core may hand the backend the caller's own length
+    array for an unmerged transfer, so a request cache keyed on it would re-post the wrong
+    remote addresses)."""
+    local, buf, region, far, peer = two_proc
+    remote = peer.region(far.region_id)
+    src = region.segments([5 * BLOCK], [BLOCK])
+    for k, dst_block in enumerate([30, 31, 30, 200]):
+        far.fill(80 + k)
+        buf[:] = pattern(90 + k, SIZE)
+        t = local.write(peer, src, remote.segments([dst_block * BLOCK], [BLOCK]))
+        assert t.wait(60).ok, t.status()
+        t.release()
+        theirs = np.frombuffer(far.bytes(), np.uint8).reshape(NBLOCKS, BLOCK)
+        assert np.array_equal(theirs[dst_block], buf.reshape(NBLOCKS, BLOCK)[5]), f"write {k}"
