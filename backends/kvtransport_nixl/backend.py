@@ -340,6 +340,8 @@ class NixlBackend(Backend):
         ok = self._quiet(handle)
         if ok:
             handle.conn.xfers.discard(handle)
+            if handle.moving:  # dead peer: NIXL may hold the request a while; never GC it
+                self._stuck.add(handle)
             if self._parting:
                 self._sweep()
         return ok
