@@ -23,9 +23,9 @@ same name is a different NIXL agent, and a notification's sender name maps back 
 cutting the suffix.
 
 Quiescence — measured with nixl-cu12 1.5.1, UCX plugin (docs/NIXL.md): NIXL cannot abort
-an in-flight transfer. ``release_xfer_handle`` on a pending request blocked for seconds and
-the bytes still landed; ``remove_remote_agent`` made the request unqueryable while the
-bytes of a READ from a stopped peer landed when it resumed. So a cancelled transfer is
+an in-flight transfer. ``release_xfer_handle`` on a pending READ from a stopped peer returned
+at once and the bytes landed when the peer resumed (on another request it blocked for
+seconds); ``remove_remote_agent`` made the request unqueryable and the bytes still landed. So a cancelled transfer is
 reported ``quiesced=False`` until NIXL itself says the request ended (DONE or an error),
 its handle is never released while pending, and a peer is only removed from NIXL once no
 transfer to it is in flight.
@@ -351,8 +351,8 @@ class NixlBackend(Backend):
             if handle.handle is None:
                 return
             if handle.moving:
-                # Never release a pending NIXL request (that blocks for seconds and aborts
-                # nothing) and never let Python's GC do it (nixl_xfer_handle.__del__ does):
+                # Never release a pending NIXL request (it aborts nothing, may block for
+                # seconds) and never let Python's GC do it (nixl_xfer_handle.__del__ does):
                 # keep it until NIXL ends it (peer died, _quiet said so).
                 self._stuck.add(handle)
                 return
