@@ -13,11 +13,16 @@ from pathlib import Path
 
 import pytest
 
+from kvtransport.testing.required import skip_or_fail
+
 _ucp = pytest.importorskip("kvtransport_ucx._ucp")
 
 
 def _include_dir() -> Path:
-    libucx = pytest.importorskip("libucx")
+    try:
+        import libucx
+    except ImportError as exc:  # fails instead of skipping where ucx is required (CI)
+        skip_or_fail("ucx", f"the libucx wheel is not installed ({exc}); pip install 'kvtransport[ucx]'")
     inc = Path(libucx.__file__).parent / "include"
     if not (inc / "ucp" / "api" / "ucp.h").exists():
         pytest.skip(f"UCX headers not found under {inc}")
