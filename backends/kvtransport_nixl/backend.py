@@ -85,8 +85,9 @@ class NixlBackend(Backend):
         scopes=frozenset({Scope.SAME_PROCESS, Scope.SAME_HOST, Scope.CROSS_HOST}),
         detects_peer_failure=True,
     )
-    #: NIXL's UCX defaults (cma data + tcp, peer error handling), and tcp only.
-    conformance_options = ({}, {"tls": "tcp"})
+    #: NIXL's UCX defaults (cma data + tcp, peer error handling); tcp only; shared memory
+    #: without UCX peer-failure reports (dead peers found by pid liveness).
+    conformance_options = ({}, {"tls": "tcp"}, {"tls": "shm"})
 
     @classmethod
     def probe(cls) -> Availability:
