@@ -307,7 +307,10 @@ class Consumer:
         local = block_segments(self.ctx.local_layouts, job.local_block_ids)
         try:
             remote = block_segments(p.layouts, job.remote_block_ids)
-            r.transfer = self.ctx.agent.read(p.kvt_peer, local, remote, timeout=max(0.001, r.deadline - now))
+            # the READ's own deadline is the load's (read the clock now: ``now`` was taken at
+            # the start of this progress call, and the core adds the timeout to its clock)
+            r.transfer = self.ctx.agent.read(p.kvt_peer, local, remote,
+                                             timeout=max(0.001, r.deadline - time.monotonic()))
             r.instance = p.kvt_peer.instance
         except kvt.errors.KVTransportError as exc:
             r.error = f"read refused: {exc}"
