@@ -34,9 +34,9 @@ transfer to it is in flight.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import secrets
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -130,6 +130,7 @@ class NixlBackend(Backend):
         self._poster: Poster | None = None
         self._reuse = RequestCache()
         self._stuck: set[Xfer] = set()  # released by the core while NIXL still runs them
+        self._live: weakref.WeakSet[Xfer] = weakref.WeakSet()  # every unreleased request (close)
         self._foreign = 0
         self._closed = False
 
@@ -301,6 +302,7 @@ class NixlBackend(Backend):
         nbytes = req.nbytes
         x = Xfer(req.transfer_id, conn, handle, nbytes, notif, entry)
         conn.xfers.add(x)
+        self._live.add(x)
         if nbytes <= self.opts.inline_post_bytes:
             post_now(self._nx, x)
         else:
@@ -396,8 +398,7 @@ class NixlBackend(Backend):
         self._closed = True
         if self._poster is not None:
             self._poster.stop(self.opts.close_grace_s)
-        xfers = [x for c in itertools.chain(self._by_name.values(), self._parting) for x in c.xfers]
-        xfers += self._stuck
+        xfers = list(self._live)
         limit = time.monotonic() + self.opts.close_grace_s
         while any(x.moving for x in xfers) and time.monotonic() < limit:
             for x in xfers:

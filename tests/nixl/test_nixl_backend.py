@@ -105,14 +105,16 @@ def test_far_side_writes_into_us_and_notifies(two_proc):
     assert np.array_equal(buf[2 * BLOCK:6 * BLOCK], pattern(5, SIZE)[:4 * BLOCK])
 
 
-def test_killed_peer_fails_before_deadline_while_another_peer_is_served():
-    """A 256 MiB READ over tcp is in flight when its source is SIGKILLed: NIXL reports the
-    disconnect, the transfer ends FAILED well before its 60 s deadline and quiesced; a
-    second peer is served meanwhile and after."""
+@pytest.mark.parametrize("tls", ["tcp", "shm"])
+def test_killed_peer_fails_before_deadline_while_another_peer_is_served(tls):
+    """A 256 MiB READ is posted when its source is SIGKILLed: NIXL reports the disconnect
+    (tcp: UCX peer error handling; shm: the cma copy fails, or pid liveness), the transfer
+    ends FAILED well before its 60 s deadline and quiesced; a second peer is served
+    meanwhile and after."""
     big = 256 << 20
-    local = kvt.open("nixl", name="nx-victim-reader", tls="tcp")
-    victim = ChildProcessPeer("nixl", {"tls": "tcp"}, "nx-victim", big, 7)
-    healthy = ChildProcessPeer("nixl", {"tls": "tcp"}, "nx-healthy", SIZE, 8)
+    local = kvt.open("nixl", name="nx-victim-reader", tls=tls)
+    victim = ChildProcessPeer("nixl", {"tls": tls}, "nx-victim", big, 7)
+    healthy = ChildProcessPeer("nixl", {"tls": tls}, "nx-healthy", SIZE, 8)
     try:
         buf = np.zeros(big, np.uint8)
         region = local.register(buf)
@@ -128,7 +130,6 @@ def test_killed_peer_fails_before_deadline_while_another_peer_is_served():
         assert st.state is kvt.State.FAILED, st
         assert "deadline" not in st.reason  # detected, not timed out
         assert "disconnect" in st.reason or "exited" in st.reason, st.reason
-        print("killed-peer transfer:", st.reason)
         assert t.status().quiesced
         assert local.peer_alive(pv) is False
         again = local.read(ph, region.segments([SIZE], [SIZE]), ph.region(healthy.region_id).whole())
