@@ -1,6 +1,6 @@
 """A producer restarted at the same address with the same engine id (new process, new
 memory, no memory of past hand-shakes): the consumer's next loads must succeed, in both
-modes (lifecycle.md section 5, "peer restarted with the same address")."""
+modes (docs/LIFECYCLE.md section 5, "peer restarted with the same address")."""
 
 import pytest
 

@@ -1,6 +1,6 @@
 """Side channel: versioned msgspec messages sealed with the cluster secret; malformed,
 wrong-version, unauthenticated, replayed and oversized input is refused and never reaches
-the handler (lifecycle.md section 5)."""
+the handler (docs/LIFECYCLE.md section 5)."""
 
 import hashlib
 import hmac

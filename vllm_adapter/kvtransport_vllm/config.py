@@ -33,7 +33,7 @@ EXTRA_CONFIG_KEYS: dict[str, str] = {
     "transfer_timeout_s": "a remote load ends (done or failed) within this many seconds",
     "lease_s": "producer keeps finished blocks this long without consumer progress",
     "load_failure_policy": "recompute or fail: what vLLM does with a failed load",
-    "side_channel_secret": "cluster secret (>= 16 bytes) sealing every side-channel message (HMAC); "
+    "side_channel_secret": "cluster secret (>= 16 bytes) sealing every side-channel message (AES-256-GCM: encrypted and authenticated); "
     "default: $KVTRANSPORT_SECRET or the file $KVTRANSPORT_SECRET_FILE",
     "side_channel_auth": "on (default) or off: off disables side-channel authentication explicitly",
     "max_message_bytes": "largest side-channel message accepted (default 16 MiB)",
@@ -61,7 +61,7 @@ class ConnectorConfig:
     transfer_timeout_s: float = 30.0
     lease_s: float = 60.0
     load_failure_policy: str | None = None
-    #: HMAC key of the side channel; None only when authentication is explicitly off.
+    #: Cluster secret sealing the side channel (kvtransport.auth); None only when authentication is explicitly off.
     side_channel_secret: bytes | None = field(default=None, repr=False)
     side_channel_auth: bool = True
     max_message_bytes: int = 16 * 1024 * 1024
@@ -87,7 +87,7 @@ class ConnectorConfig:
         extra = dict(extra or {})
         if "side_channel_token" in extra:
             raise ConnectorConfigError(
-                "KVTransportConnector: side_channel_token was replaced by HMAC authentication: set "
+                "KVTransportConnector: side_channel_token was replaced by sealed (authenticated, encrypted) messages: set "
                 "side_channel_secret (the same value, >= 16 bytes, on every engine) in "
                 "kv_connector_extra_config, or KVTRANSPORT_SECRET / KVTRANSPORT_SECRET_FILE in the "
                 "environment; side_channel_auth: off disables authentication explicitly"
