@@ -339,7 +339,7 @@ def test_stale_write_hazard_consumer_keeps_blocks_until_producer_acks_cancel(pai
 
 def test_producer_abort_before_consumer_asks(pairs, caplog):
     """Router WRITE flow, other order: the producer aborts before the consumer's request
-    even arrives; the consumer's "write into" is answered "expired" and it ends early."""
+    even arrives; the consumer's "write into" is answered "aborted" and it ends early."""
     pair = pairs("write", policy="recompute", timeout_s=30.0, lease_s=60.0)
     uuid = "cdcd0000000000000000000000000abc"
     rid = (f"___prefill_addr_host:127.0.0.1,handshake:{pair.p_port},notify:1"
@@ -352,6 +352,6 @@ def test_producer_abort_before_consumer_asks(pairs, caplog):
     load = _Load(pair, "c-" + rid)
     pair.C.add("c-" + rid, prompt, 2, {"do_remote_prefill": True})
     _outcome(pair, "c-" + rid, prompt, "recompute", load, caplog,
-             # whichever reaches the consumer first: the producer's abort notice, or the
-             # answer "expired" to its write request
-             ("producer aborted", "no longer holds"), by_deadline=False)
+             # the same cause whichever reaches the consumer first: the producer's abort
+             # notice, or the answer "aborted" to its write request
+             "producer aborted", by_deadline=False)

@@ -195,6 +195,10 @@ class Consumer:
             elif status == "expired":
                 r.error = "producer lease expired before confirmation (stale read refused)"
                 self._finish(r, ok=False)
+            elif status == "aborted":
+                r.peer_aborted = True
+                r.error = "producer aborted the request"
+                self._finish(r, ok=False)
             elif status == "stale":
                 # we read from a previous incarnation of the producer (restarted at this
                 # address): those bytes are not its; hand-shake again
@@ -205,8 +209,12 @@ class Consumer:
             # "pending": the producer has not learnt of the key yet; resend later
         elif r.state is RecvState.CANCEL and status in ("acked", "expired"):
             self._finish(r, ok=False)  # the producer's word: no write can land any more
-        elif r.state is RecvState.WRITE_WAIT and status == "expired":
-            r.error = "producer no longer holds this request"
+        elif r.state is RecvState.WRITE_WAIT and status in ("expired", "aborted"):
+            if status == "aborted":  # same cause as the producer's Aborted notice
+                r.peer_aborted = True
+                r.error = "producer aborted the request"
+            else:
+                r.error = "producer no longer holds this request"
             self._start_giving_up(r)
         elif r.state is RecvState.WRITE_WAIT and status == "hello":
             # the producer does not know us (it restarted): hand-shake again; the write

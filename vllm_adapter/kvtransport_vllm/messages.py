@@ -138,7 +138,8 @@ class Aborted(Msg, tag="aborted"):
 
 class Reply(Msg, tag="reply"):
     """Generic reply: per-key status ("ok", "expired", "pending", "acked", "unknown",
-    "stale": read from another producer instance, "hello": hand-shake with me first)."""
+    "stale": read from another producer instance, "hello": hand-shake with me first,
+    "aborted": the producer aborted the request behind the key)."""
 
     status: dict[str, str] = {}
 

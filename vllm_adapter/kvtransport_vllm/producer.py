@@ -105,8 +105,10 @@ class Producer:
             self.holds[j.key] = hold
 
     def note_aborted(self, key: str) -> None:
-        """Our request behind ``key`` was aborted: later "write into" / "done" for it are
-        answered "expired", not "pending". Caller holds the lock."""
+        """Our request behind ``key`` was aborted: later "write into" / "done" / "renew"
+        for it are answered "aborted", not "pending" (nor "expired": the consumer must name
+        the same cause whether this answer or our Aborted notice reaches it first). Caller
+        holds the lock."""
         self.ended[key] = "aborted"
         self.early_dest.pop(key, None)
 
@@ -258,6 +260,8 @@ class Producer:
             return "pending"
         if give_up:
             return "acked"
+        if why == "aborted":
+            return "aborted"  # the consumer learns why, whichever message reaches it first
         return "ok" if (why == "done" and done) else "expired"
 
     def _lapsed(self, h: Hold, now: float) -> bool:
@@ -316,6 +320,6 @@ class Producer:
             h.expiry = lease
             return "ok"
         if msg.key in self.ended:
-            return "expired"
+            return "aborted" if self.ended[msg.key] == "aborted" else "expired"
         self.early_dest[msg.key] = (dest, lease)
         return "pending"
