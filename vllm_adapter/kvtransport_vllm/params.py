@@ -78,7 +78,7 @@ def parse_remote_source(params: dict[str, Any], request_id: str, mode: str, tp_s
         missing.append("remote_block_ids")
     if missing:
         raise KVTransferParamsError(request_id, f"missing {', '.join(missing)}", tuple(missing), peer, key)
-    if peer is None or key is None:  # pragma: no cover - every None adds a missing key above
+    if peer is None or key is None:  # defensive: each None above names a missing key
         raise KVTransferParamsError(request_id, "no producer address or transfer key")
     try:
         block_ids = [int(b) for b in (blocks or ())]
