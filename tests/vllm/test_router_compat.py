@@ -165,6 +165,19 @@ def test_refusal_with_known_producer_frees_its_hold_at_once(pairs):
     pair.assert_no_leak()
 
 
+@pytest.mark.parametrize("proxy", [nixl_rebuilt, nixl_minimal])
+def test_abort_before_allocation_with_rebuilt_params_releases_producer(pairs, proxy):
+    """A decode request aborted before it got blocks tells the producer to free, with the
+    key derived from NIXL's keys (no transfer_id), long before the producer's lease."""
+    pair = pairs("read", timeout_s=30.0, lease_s=60.0)
+    prompt = prompt_of(50, seed=9)
+    params = proxy(pair.prefill("p1", prompt))
+    pair.C.add("c1", prompt, 2, params)
+    pair.C.abort("c1")  # never scheduled: no block on C
+    pair.drain(timeout=10.0)  # far below the 60 s lease: only the release can free p1
+    pair.assert_no_leak()
+
+
 # ---------------------------------------------------------------------------- MultiConnector
 def _as_multi_connector(**kw):
     """What harness.make_vllm_config builds, with KVTransportConnector moved inside vLLM's
