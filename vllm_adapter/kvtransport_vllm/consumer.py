@@ -115,7 +115,11 @@ class Consumer:
         for job in jobs:
             if job.req_id in self.recv:
                 continue
-            self.recv[job.req_id] = Recv(job, deadline=now + self.ctx.cfg.transfer_timeout_s, started=now)
+            r = self.recv[job.req_id] = Recv(job, deadline=now + self.ctx.cfg.transfer_timeout_s, started=now)
+            if job.refused:  # unusable kv_transfer_params: a load error, nothing to contact
+                r.error = job.refused
+                self._finish(r, ok=False)
+                continue
             self.recv_by_key[job.key] = job.req_id
 
     def mark_aborted(self, req_ids: set[str] | frozenset[str]) -> None:

@@ -195,6 +195,9 @@ class RecvJob:
     host: str
     port: int
     remote_engine_id: str = ""
+    #: non-empty: the params could not be loaded from (the typed refusal's text); the
+    #: worker fails this load at once so vLLM applies its load failure policy
+    refused: str = ""
 
 
 @dataclass

@@ -18,7 +18,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Endpoint", "RouterRequestId", "parse_router_request_id", "parse_moriio_address", "peer_from_params"]
+__all__ = ["Endpoint", "RouterRequestId", "parse_router_request_id", "parse_moriio_address", "peer_from_params",
+           "producer_key", "transfer_key"]
 
 _ROUTER_RE = re.compile(
     r"___prefill_addr_(?P<prefill>.+?)___decode_addr_(?P<decode>.+)_(?P<uuid>[0-9a-f]{32})(?:-[^_]*)?$"
@@ -95,11 +96,27 @@ def peer_from_params(params: dict[str, Any] | None, request_id: str, want: str) 
     return rid.prefill if want == "prefill" else rid.decode
 
 
+def producer_key(engine_id: str, request_id: str) -> str:
+    """The key a producer holds a finished prefill under: the router uuid when its request
+    id is a MoRIIO router compound id, else ``<engine id>:<request id>``. A compound id
+    with a malformed address counts as a plain id here."""
+    try:
+        router = parse_router_request_id(request_id)
+    except ValueError:
+        router = None
+    return router.uuid if router else f"{engine_id}:{request_id}"
+
+
 def transfer_key(params: dict[str, Any] | None, request_id: str) -> str | None:
-    """The key both engines use for one transfer: ``transfer_id`` from the params, else the
-    router uuid, else None."""
+    """The key both engines use for one transfer, seen from the consumer: ``transfer_id``
+    from the params, else :func:`producer_key` of NixlConnector's ``remote_engine_id`` and
+    ``remote_request_id`` (the producer's own derivation, so routers that drop
+    ``transfer_id`` still agree with it), else the router uuid of ``request_id``, else None."""
     params = params or {}
     if params.get("transfer_id"):
         return str(params["transfer_id"])
+    engine, remote_rid = params.get("remote_engine_id"), params.get("remote_request_id")
+    if engine and remote_rid:
+        return producer_key(str(engine), str(remote_rid))
     rid = parse_router_request_id(request_id)
     return rid.uuid if rid else None

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from .config import ConnectorConfig
 from .messages import HoldJob, KVTransportMetadata, PeerNotice, RecvJob
-from .routing import parse_router_request_id, peer_from_params, transfer_key
+from .params import KVTransferParamsError, RemoteSource, parse_remote_source
+from .routing import parse_router_request_id, producer_key
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -44,29 +45,19 @@ class KVTransportScheduler:
         self._last_queued_renew = 0.0
 
     # -- consumer -------------------------------------------------------------------
-    def _remote_load(self, request: Request) -> tuple[dict[str, Any], Any, str] | None:
-        """(params, endpoint, key) when ``request`` has remote KV to load, else None."""
+    def _remote_load(self, request: Request) -> RemoteSource | KVTransferParamsError | None:
+        """The load ``request`` asks for; the typed refusal when its params cannot be loaded
+        from (a failed load: vLLM applies the load failure policy); None when it asks for
+        no remote prefill."""
         if not self.cfg.is_consumer:
             return None
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return None
         try:
-            peer = peer_from_params(params, request.request_id, "prefill")
-            key = transfer_key(params, request.request_id)
-        except ValueError as exc:
-            log.warning("request %s: unusable producer address (%s); computing locally", request.request_id, exc)
-            return None
-        if peer is None or key is None:
-            log.warning(
-                "request %s asks for remote prefill but names no producer (kv_transfer_params need "
-                "remote_host/remote_port/transfer_id, or a MoRIIO router request id); computing locally",
-                request.request_id,
-            )
-            return None
-        if self.cfg.mode == "read" and not params.get("remote_block_ids"):
-            return None
-        return params, peer, key
+            return parse_remote_source(params, request.request_id, self.cfg.mode, self.tp_size)
+        except KVTransferParamsError as exc:
+            return exc
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """``(n, True)`` when n > 0 tokens will be loaded asynchronously; else ``(0, False)``.
@@ -76,20 +67,23 @@ class KVTransportScheduler:
         its producer lease is renewed until it is allocated. n covers the whole prompt
         beyond the local hit, like NIXL: after the load vLLM itself rewinds one token so
         the decode engine computes the last prompt token and samples from it. A prompt
-        shorter than one block, or fully cached locally, loads nothing.
+        shorter than one block, or fully cached locally, loads nothing. Params that ask
+        for a remote prefill but cannot be loaded from are announced like a load too: the
+        worker fails it at once, so vLLM's load failure policy applies (recompute or fail)
+        instead of a silent local prefill.
         """
         found = self._remote_load(request)
         if found is None:
             return 0, False
-        params, peer, key = found
         num_prompt = request.num_prompt_tokens
         if num_prompt < self.block_size:
             return 0, False
-        remote_tokens = int(params.get("remote_num_tokens") or num_prompt)
-        n = min(remote_tokens, num_prompt) - num_computed_tokens
+        remote_tokens = found.remote_num_tokens if isinstance(found, RemoteSource) else None
+        n = min(remote_tokens or num_prompt, num_prompt) - num_computed_tokens
         if n <= 0:
             return 0, False
-        self.queued[request.request_id] = (key, peer.host, peer.port)
+        if isinstance(found, RemoteSource):
+            self.queued[request.request_id] = (found.key, found.peer.host, found.peer.port)
         return n, True
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -97,12 +91,21 @@ class KVTransportScheduler:
         found = self._remote_load(request)
         if found is None:
             return
-        params, peer, key = found
         # Exactly one transfer per request: later allocations for it are local.
-        params["do_remote_prefill"] = False
-        if num_external_tokens <= 0:
-            # Nothing to load (full local hit / short prompt): free the producer now.
-            self._meta.notices.append(PeerNotice(key, peer.host, peer.port, "release"))
+        request.kv_transfer_params["do_remote_prefill"] = False
+        src = found if isinstance(found, RemoteSource) else None
+        peer, key = (src.peer, src.key) if src else (found.peer, found.key)  # type: ignore[union-attr]
+        if num_external_tokens <= 0 or src is None:
+            # Nothing to load (full local hit / short prompt), or nothing we can load
+            # from: free the producer now if we know who and what.
+            if peer is not None and key is not None:
+                self._meta.notices.append(PeerNotice(key, peer.host, peer.port, "release"))
+            if src is None and num_external_tokens > 0:
+                log.warning("kvtransport: %s: %s", type(found).__name__, found)
+                unhashed = [b.block_id for b in blocks.blocks[0] if b.block_hash is None and not b.is_null]
+                self._meta.recv.append(RecvJob(req_id=request.request_id, key="", mode=self.cfg.mode,
+                                               local_block_ids=unhashed, remote_block_ids=[], host="", port=0,
+                                               refused=str(found)))
             return
         all_ids = list(blocks.get_block_ids()[0])
         unhashed = [b.block_id for b in blocks.blocks[0] if b.block_hash is None and not b.is_null]
@@ -110,19 +113,19 @@ class KVTransportScheduler:
         local = unhashed
         remote: list[int] = []
         if self.cfg.mode == "read":
-            remote = list(params["remote_block_ids"])[n_local_cached : n_local_cached + len(local)]
+            remote = src.remote_block_ids[n_local_cached : n_local_cached + len(local)]
             local = local[: len(remote)]
-        self.loading[request.request_id] = key
+        self.loading[request.request_id] = src.key
         self._meta.recv.append(
             RecvJob(
                 req_id=request.request_id,
-                key=key,
+                key=src.key,
                 mode=self.cfg.mode,
                 local_block_ids=local,
                 remote_block_ids=remote,
-                host=peer.host,
-                port=peer.port,
-                remote_engine_id=str(params.get("remote_engine_id", "")),
+                host=src.peer.host,
+                port=src.peer.port,
+                remote_engine_id=src.remote_engine_id,
             )
         )
 
@@ -154,12 +157,10 @@ class KVTransportScheduler:
         if self.cfg.is_consumer and params.get("do_remote_prefill"):
             # Finished (aborted) before any block was allocated: the producer still
             # holds its blocks for us, tell it to free them now (R5).
+            found = self._remote_load(request)
             params["do_remote_prefill"] = False
-            try:
-                peer = peer_from_params(params, rid, "prefill")
-                key = transfer_key(params, rid)
-            except ValueError:
-                peer = key = None
+            peer = found.peer if found is not None else None
+            key = found.key if found is not None else None
             if peer is not None and key is not None:
                 self._meta.notices.append(PeerNotice(key, peer.host, peer.port, "release"))
             return False, None
@@ -172,7 +173,7 @@ class KVTransportScheduler:
             router = parse_router_request_id(rid)
         except ValueError:
             pass
-        key = router.uuid if router else f"{self.cfg.engine_id}:{rid}"
+        key = producer_key(self.cfg.engine_id, rid)  # what a consumer derives (routing.transfer_key)
         ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         if not ok or not block_ids:
             # Aborted / failed prefill: free now; a consumer that already waits for this

@@ -1,0 +1,95 @@
+"""What a consumer needs from ``kv_transfer_params``, parsed once, refused with a reason.
+
+Routers do not all forward what our producer returned. vLLM's toy proxy and llm-d's
+routing sidecar forward the prefill's ``kv_transfer_params`` verbatim; others rebuild
+them from the keys NixlConnector documents (``do_remote_prefill``, ``remote_engine_id``,
+``remote_request_id``, ``remote_host``, ``remote_port``, ``remote_block_ids``,
+``remote_num_tokens``, ``tp_size``) and drop the rest, including our ``transfer_id``.
+Both must load the remote KV. The transfer key is therefore derived, in this order, from
+
+1. ``transfer_id`` (our producer's own key, when forwarded);
+2. ``remote_engine_id`` + ``remote_request_id``, through :func:`~.routing.producer_key`,
+   the very function the producer keys its hold with (so the two can never disagree);
+3. a MoRIIO router request id on the consumer's own request (its 32-hex uuid).
+
+Params that ask for a remote prefill but lack what the load needs raise
+:class:`KVTransferParamsError` naming the missing keys; the scheduler turns that into a
+failed load (logged, then recompute or fail per ``load_failure_policy``), never into a
+silent local prefill. Pure functions, no vLLM import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .routing import Endpoint, peer_from_params, producer_key, transfer_key
+
+__all__ = ["KVTransferParamsError", "RemoteSource", "producer_key", "parse_remote_source", "NIXL_KEYS"]
+
+#: The kv_transfer_params keys NixlConnector documents and routers forward (vLLM 0.32).
+NIXL_KEYS = ("do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_request_id", "remote_host",
+             "remote_port", "remote_block_ids", "remote_num_tokens", "tp_size")
+
+
+class KVTransferParamsError(ValueError):
+    """``kv_transfer_params`` ask for a remote prefill but cannot be loaded from.
+
+    ``missing`` names the absent keys (empty when a key is present but malformed)."""
+
+    def __init__(self, request_id: str, problem: str, missing: tuple[str, ...] = (),
+                 peer: Endpoint | None = None, key: str | None = None) -> None:
+        self.request_id = request_id
+        self.missing = missing
+        #: the producer and key when they could be read: it is told to free its hold
+        self.peer, self.key = peer, key
+        fix = ("; the router must forward the producer's kv_transfer_params to the decode engine (at least "
+               "do_remote_prefill, remote_host, remote_port, remote_engine_id, remote_request_id and, in READ "
+               "mode, remote_block_ids; see docs/VLLM.md, Routers)")
+        super().__init__(f"request {request_id}: kv_transfer_params cannot be loaded from: {problem}{fix}")
+
+
+@dataclass(frozen=True)
+class RemoteSource:
+    """Where and what a consumer loads: the producer's side channel and the transfer key."""
+
+    peer: Endpoint
+    key: str
+    remote_engine_id: str
+    remote_block_ids: list[int]
+    remote_num_tokens: int | None
+
+
+def parse_remote_source(params: dict[str, Any], request_id: str, mode: str, tp_size: int = 1) -> RemoteSource:
+    """The load described by ``params`` (which ask for a remote prefill), or
+    :class:`KVTransferParamsError` naming what is missing or malformed."""
+    try:
+        peer = peer_from_params(params, request_id, "prefill")
+        key = transfer_key(params, request_id)
+    except (TypeError, ValueError) as exc:
+        raise KVTransferParamsError(request_id, f"unusable producer address ({exc})") from None
+    missing: list[str] = []
+    if peer is None:
+        missing += [k for k in ("remote_host", "remote_port") if not params.get(k)]
+    if key is None:
+        missing += [k for k in ("remote_engine_id", "remote_request_id") if not params.get(k)]
+    blocks = params.get("remote_block_ids")
+    if mode == "read" and not blocks:
+        missing.append("remote_block_ids")
+    if missing:
+        raise KVTransferParamsError(request_id, f"missing {', '.join(missing)}", tuple(missing), peer, key)
+    if peer is None or key is None:  # defensive: each None above names a missing key
+        raise KVTransferParamsError(request_id, "no producer address or transfer key")
+    try:
+        block_ids = [int(b) for b in (blocks or ())]
+        remote_tokens = params.get("remote_num_tokens")
+        num_tokens = int(remote_tokens) if remote_tokens else None
+        remote_tp = None if params.get("tp_size") is None else int(params["tp_size"])
+    except (TypeError, ValueError):
+        raise KVTransferParamsError(request_id, "remote_block_ids / remote_num_tokens / tp_size are not integers",
+                                    peer=peer, key=key) from None
+    if remote_tp is not None and remote_tp != tp_size:
+        raise KVTransferParamsError(
+            request_id, f"producer tp_size {remote_tp!r} differs from ours ({tp_size}); both engines must use "
+            "the same tensor-parallel size", peer=peer, key=key)
+    return RemoteSource(peer, key, str(params.get("remote_engine_id") or ""), block_ids, num_tokens)
