@@ -28,9 +28,30 @@ _MODULES = ("nixl_cu12", "nixl_cu13", "nixl_rocm", "nixl")
 _lock = threading.Lock()
 
 
+#: UCX modules left out on a host without an RDMA device. NIXL's bundled UCX ib modules
+#: link a bundled copy of libnl-route; once the system's libibverbs is installed (Mooncake
+#: needs it) they load next to the system's libnl-route, and the two copies crash the
+#: process in libnl-route's destructor at exit (SIGSEGV in rtnl_tc_unregister, exit code
+#: 139, even after every agent was closed). UCX reads ``UCX_MODULES`` once, when its
+#: library loads (before any agent exists), so this is a process-wide default set just
+#: before NIXL is first imported; without a device those modules have nothing to drive.
+#: An explicit ``UCX_MODULES`` is left alone.
+NO_RDMA_MODULES = "^ib*"
+
+
+def has_rdma_device() -> bool:
+    """Whether the kernel lists an RDMA device (``/sys/class/infiniband``)."""
+    try:
+        return any(os.scandir("/sys/class/infiniband"))
+    except OSError:
+        return False
+
+
 @functools.cache
 def load_nixl() -> tuple[ModuleType | None, str]:
     """The NIXL API module, or None and why not (each module tried, with its error)."""
+    if "UCX_MODULES" not in os.environ and not has_rdma_device():
+        os.environ["UCX_MODULES"] = NO_RDMA_MODULES
     errors = []
     for name in _MODULES:
         try:
