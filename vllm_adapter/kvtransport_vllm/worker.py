@@ -116,7 +116,9 @@ class KVTransportWorker:
         ctx.agent = kvt.open(self.cfg.backend, **opts)
         part_regions, strides = [], []
         for lm in layers:
-            region = ctx.agent.register((lm.addr, lm.nbytes))
+            # The real kind and device: a backend that cannot move GPU memory refuses it here,
+            # naming the installed backends that can, instead of treating it as CPU memory.
+            region = ctx.agent.register((lm.addr, lm.nbytes), kind=lm.kind, device=lm.device)
             ctx.local_layouts.append(
                 kvt.BlockLayout([(region, b) for b in lm.bases], lm.block_bytes, self.num_blocks, lm.block_stride)
             )
