@@ -137,6 +137,7 @@ def test_connector_on_a_cpu_only_backend_refuses_gpu_caches_naming_alternatives(
     assert "'loopback'" in msg and "'cuda'" in msg and "moriio" in msg, msg
     assert ei.value.kind == "cuda" and any(a.startswith("moriio") for a in ei.value.alternatives)
     assert isinstance(ei.value, errors.InvalidSegmentsError)  # existing except clauses still match
+    assert w.agent is None and w.ctx.local_layouts == []  # the refused worker left no agent open
 
 
 # -- point 2: each backend's accept/refuse table ---------------------------------------------
