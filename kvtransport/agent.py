@@ -52,6 +52,7 @@ from .errors import (
     StalePreparedTransferError,
     UnknownPeerError,
     UnregisteredMemoryError,
+    UnsupportedMemoryKindError,
     UnsupportedOperationError,
 )
 from .faults import FaultInjectingBackend, FaultPlan, plan_from_options
@@ -252,19 +253,30 @@ class Agent:
         buffer, or a raw ``(address, length)`` pair — for which ``kind`` ("cpu", "cuda",
         "rocm") and, for device memory, ``device`` must be given."""
         addr, length, mkind, device, owner = describe_buffer(buf, kind, device)
+        self._check_memory_kind(mkind, "register")
         with self._lock:
             self._check_open()
-            if mkind not in self._backend.capabilities.memory_kinds:
-                raise InvalidSegmentsError(
-                    f"backend {self.backend_name!r} cannot register {mkind!r} memory; it accepts "
-                    f"{sorted(self._backend.capabilities.memory_kinds)}"
-                )
             rid = next(self._region_ids)
             region = MemoryRegion(rid, addr, length, mkind, device, owner)
             blob = self._backend.register(LocalRegion(rid, addr, length, mkind, device))
             self._regions[rid] = (region, bytes(blob))
             self._rebuild_local_index()
             return region
+
+    def _check_memory_kind(self, kind: str, where: str) -> None:
+        """Refuse memory the backend does not declare, before the backend sees it.
+
+        This is the one gate that keeps device memory away from CPU-only data paths (the
+        loopback memmove and process_vm_* copies, numpy views): a backend is handed only
+        kinds it declared in ``capabilities.memory_kinds``, for its own regions and for
+        a peer's. The message names the installed backends that can move the kind."""
+        accepted = self._backend.capabilities.memory_kinds
+        if kind in accepted:
+            return
+        from .registry import backends_for_memory_kind  # error path only: probes every backend
+
+        others = [b for b in backends_for_memory_kind(kind) if b.split(" ")[0] != self.backend_name]
+        raise UnsupportedMemoryKindError(self.backend_name, kind, sorted(accepted), others, where)
 
     def deregister(self, region: MemoryRegion) -> None:
         with self._lock:
@@ -326,6 +338,12 @@ class Agent:
                 raise IncompatiblePeerError(
                     f"agent {self.name!r} cannot connect to itself; open a second agent"
                 )
+            for r in md.regions:  # a peer's device region must not reach a CPU-only backend
+                try:
+                    self._check_memory_kind(r.kind, f"connect to peer {md.agent!r} exporting")
+                except UnsupportedMemoryKindError:
+                    self._stats["peers_refused"] += 1
+                    raise
             regions = [RemoteMemoryRegion(r.id, r.addr, r.length, r.kind) for r in md.regions]
             old = self._peers.get(md.agent)
             if old is not None and old.instance != md.instance:

@@ -49,6 +49,23 @@ class InvalidSegmentsError(KVTransportError, ValueError):
     """Segment lists are malformed: lengths differ, out of range, non-positive length."""
 
 
+class UnsupportedMemoryKindError(InvalidSegmentsError):
+    """The backend cannot move this kind of memory ("cuda", "rocm", ...).
+
+    Raised at ``register`` (and at ``connect`` for a peer's region) before any byte moves.
+    ``alternatives`` names the installed backends whose declared capabilities accept the
+    kind, so the message says what to switch to instead of only what failed."""
+
+    def __init__(self, backend: str, kind: str, accepted: list[str], alternatives: list[str],
+                 where: str = "register") -> None:
+        self.backend, self.kind, self.accepted, self.alternatives = backend, kind, accepted, alternatives
+        others = (f"installed backends that can move {kind!r} memory: {alternatives}; open the agent "
+                  "on one of them" if alternatives else
+                  f"no installed backend declares {kind!r} memory; install one that does")
+        super().__init__(f"backend {backend!r} cannot {where} {kind!r} memory (it accepts {accepted}); "
+                         f"{others}")
+
+
 class UnregisteredMemoryError(KVTransportError, ValueError):
     """A segment refers to a region id that is not registered (locally or on the peer)."""
 

@@ -16,7 +16,7 @@ import numpy as np
 from .errors import InvalidSegmentsError
 from .segments import Segments
 
-__all__ = ["MemoryRegion", "RemoteMemoryRegion", "describe_buffer"]
+__all__ = ["MemoryRegion", "RemoteMemoryRegion", "describe_buffer", "tensor_memory_kind"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,11 @@ class RemoteMemoryRegion:
         return Segments(self.id, 0, self.length)
 
 
-def _torch_kind(tensor: Any) -> tuple[str, int]:
+def tensor_memory_kind(tensor: Any) -> tuple[str, int]:
+    """``(kind, device index)`` of a torch tensor (or anything with ``.device.type/.index``).
+
+    ROCm builds of torch report AMD GPUs as device type "cuda"; ``torch.version.hip`` tells
+    them apart, so such memory is "rocm". CPU memory has device -1."""
     dev = tensor.device
     if dev.type == "cpu":
         return "cpu", -1
@@ -92,7 +96,7 @@ def describe_buffer(buf: Any, kind: str | None = None, device: int | None = None
         length = int(buf.numel()) * int(buf.element_size())
         if length == 0:
             raise InvalidSegmentsError("cannot register an empty tensor")
-        tkind, device = _torch_kind(buf)
+        tkind, device = tensor_memory_kind(buf)
         return int(buf.data_ptr()), length, kind or tkind, device, buf
     if isinstance(buf, np.ndarray):
         arr = buf
@@ -113,3 +117,4 @@ def describe_buffer(buf: Any, kind: str | None = None, device: int | None = None
     if arr.nbytes == 0:
         raise InvalidSegmentsError("cannot register an empty buffer")
     return int(arr.ctypes.data), int(arr.nbytes), kind or "cpu", -1, buf
+

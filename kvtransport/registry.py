@@ -125,3 +125,17 @@ def available_backends() -> list[BackendInfo]:
             BackendInfo(name, av.usable, av.reason, av.install_hint, cls.version, cls.capabilities, target)
         )
     return infos
+
+
+def backends_for_memory_kind(kind: str) -> list[str]:
+    """Installed backends whose declared capabilities accept ``kind`` memory.
+
+    Used for the message of a refused ``register``: read from each backend class's
+    ``capabilities`` (no backend is imported by the core itself, only through its entry
+    point). A backend that declares the kind but cannot run on this host is listed with
+    "(not usable here)" so the user sees why switching to it alone would not be enough."""
+    out = []
+    for info in available_backends():
+        if info.capabilities is not None and kind in info.capabilities.memory_kinds:
+            out.append(info.name if info.usable else f"{info.name} (not usable here)")
+    return out

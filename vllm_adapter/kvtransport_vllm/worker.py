@@ -115,13 +115,20 @@ class KVTransportWorker:
         ctx = self.ctx
         ctx.agent = kvt.open(self.cfg.backend, **opts)
         part_regions, strides = [], []
-        for lm in layers:
-            region = ctx.agent.register((lm.addr, lm.nbytes))
-            ctx.local_layouts.append(
-                kvt.BlockLayout([(region, b) for b in lm.bases], lm.block_bytes, self.num_blocks, lm.block_stride)
-            )
-            part_regions.append([(region.id, b) for b in lm.bases])
-            strides.append(lm.block_stride)
+        try:
+            for lm in layers:
+                # The real kind and device: a backend that cannot move GPU memory refuses it
+                # here, naming the installed backends that can, instead of taking it as CPU.
+                region = ctx.agent.register((lm.addr, lm.nbytes), kind=lm.kind, device=lm.device)
+                ctx.local_layouts.append(kvt.BlockLayout([(region, b) for b in lm.bases], lm.block_bytes,
+                                                         self.num_blocks, lm.block_stride))
+                part_regions.append([(region.id, b) for b in lm.bases])
+                strides.append(lm.block_stride)
+        except Exception:  # a refused cache must not leave an open agent behind
+            ctx.agent.close()
+            ctx.agent = None
+            ctx.local_layouts.clear()
+            raise
         ctx.layout = LayoutInfo(
             block_size=self.block_size,
             dtype=self.dtype,
