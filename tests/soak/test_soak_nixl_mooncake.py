@@ -1,6 +1,7 @@
-"""The soak's short mode with ``backend: mooncake`` (as ``tests/soak`` runs ``ucx``): 150
-requests per mode through a real vLLM Scheduler pair under injected core and side-channel
-faults, the soak's invariants (I1..I6) checked after every step; zero violations, no leak."""
+"""The soak's short mode with ``backend: nixl`` and ``backend: mooncake`` (as
+``test_soak.py`` runs ``ucx``): 150 requests per mode through a real vLLM Scheduler pair
+under injected core and side-channel faults, the soak's invariants (I1..I6) checked after
+every step; zero violations, no leak. Mooncake also with its producer killed and restarted."""
 
 from __future__ import annotations
 
@@ -11,14 +12,15 @@ import pytest
 
 from kvtransport.testing.required import skip_unless_usable
 
-SOAK_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "soak")
+SOAK_TESTS = os.path.dirname(os.path.abspath(__file__))
 
 pytestmark = pytest.mark.timeout(1800)
 
 
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
 @pytest.mark.parametrize("mode", ["read", "write"])
-def test_soak_short_over_mooncake(mode):
-    skip_unless_usable("mooncake")
+def test_soak_short_over(backend, mode):
+    skip_unless_usable(backend)
     pytest.importorskip("vllm")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("KVTRANSPORT_SECRET", "kvtransport-test-cluster-secret")
@@ -26,9 +28,9 @@ def test_soak_short_over_mooncake(mode):
         sys.path.insert(0, SOAK_TESTS)
     from soak_harness import Soak, SoakConfig
 
-    res = Soak(SoakConfig(mode=mode, requests=150, seed=301, backend="mooncake")).run()
+    res = Soak(SoakConfig(mode=mode, requests=150, seed=301, backend=backend)).run()
     s = res.summary()
-    print(f"\nSOAK-MOONCAKE {s}")
+    print(f"\nSOAK-{backend.upper()} {s}")
     assert not res.violations, f"{len(res.violations)} invariant violations, first: " + "\n".join(res.violations[:10])
     assert all(v == 0 for v in res.leaks.values()), f"leaks at the end: {res.leaks}"
     assert sum(s["outcomes"].values()) == 150
