@@ -37,10 +37,13 @@ EXTRA_CONFIG_KEYS: dict[str, str] = {
     "default: $KVTRANSPORT_SECRET or the file $KVTRANSPORT_SECRET_FILE",
     "side_channel_auth": "on (default) or off: off disables side-channel authentication explicitly",
     "max_message_bytes": "largest side-channel message accepted (default 16 MiB)",
+    "kv_buffer_device": "auto (default: the transport moves the KV cache where it lives) or cpu (host staging: "
+    "device blocks are copied through pinned host buffers, for transports without device memory support)",
 }
 
 _MODES = ("read", "write")
 _POLICIES = ("recompute", "fail")
+_BUFFER_DEVICES = ("auto", "cpu")
 
 
 def _default_host() -> str:
@@ -65,6 +68,8 @@ class ConnectorConfig:
     side_channel_secret: bytes | None = field(default=None, repr=False)
     side_channel_auth: bool = True
     max_message_bytes: int = 16 * 1024 * 1024
+    #: "auto": register the KV cache itself; "cpu": stage blocks through pinned host buffers
+    kv_buffer_device: str = "auto"
 
     @property
     def is_producer(self) -> bool:
@@ -138,6 +143,11 @@ class ConnectorConfig:
         if not isinstance(backend, str) or not backend:
             raise ConnectorConfigError("KVTransportConnector: backend must be a non-empty string")
         auth_on, secret = _auth_settings(extra)
+        buffer_device = str(extra.get("kv_buffer_device", "auto")).lower()
+        if buffer_device not in _BUFFER_DEVICES:
+            raise ConnectorConfigError(
+                f"KVTransportConnector: kv_buffer_device must be 'auto' or 'cpu', got {extra.get('kv_buffer_device')!r}"
+            )
         return cls(
             kv_role=kv_role,
             engine_id=str(engine_id or "engine"),
@@ -152,6 +162,7 @@ class ConnectorConfig:
             side_channel_secret=secret,
             side_channel_auth=auth_on,
             max_message_bytes=_num("max_message_bytes", 16 * 1024 * 1024, int),
+            kv_buffer_device=buffer_device,
         )
 
     @classmethod
