@@ -178,6 +178,15 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
         return None if stats.is_empty() else stats
 
     @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        """vLLM's hook for connector series on ``/metrics``: ``vllm:kvtransport_*`` (see
+        :mod:`.prom_metrics`)."""
+        from .prom_metrics import KVTransportPromMetrics
+
+        return KVTransportPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTransportStats | None:
         return KVTransportStats(data) if data is not None else KVTransportStats()
 

@@ -30,8 +30,10 @@ from typing import Any
 import kvtransport as kvt
 
 from .context import WorkerContext
-from .kv_layout import block_segments, remote_layouts
-from .messages import Cancel, Done, Error, Hello, Msg, RecvJob, Release, Renew, Reply, Welcome, WriteReq, Written
+from .load_stats import Cause, LoadClock, record_load, record_transfer
+from .producer_peers import PeerConn, ProducerPeers
+from .kv_layout import block_segments
+from .messages import Cancel, Done, Msg, RecvJob, Release, Renew, Reply, WriteReq, Written
 
 log = logging.getLogger(__name__)
 
@@ -52,27 +54,6 @@ _WANTS = (RecvState.CONNECT, RecvState.READ, RecvState.CONFIRM, RecvState.WRITE_
 
 
 @dataclass
-class PeerConn:
-    """Our hand-shake with one producer worker (host, port of its side channel)."""
-
-    host: str
-    port: int
-    client: Any  # SideChannelClient
-    state: str = "new"  # new | hello | ready | failed
-    error: str = ""
-    kvt_peer: Any = None
-    layouts: list[kvt.BlockLayout] = field(default_factory=list)
-    hello_cid: int = 0
-    last_hello: float = 0.0
-    engine_name: str = ""  # the producer worker we hand-shook with
-    failed_at: float = 0.0  # when the hand-shake last failed
-
-    def fail(self, error: str) -> None:
-        self.state, self.error, self.failed_at = "failed", error, time.monotonic()
-        log.error("%s", error)
-
-
-@dataclass
 class Recv:
     job: RecvJob
     deadline: float
@@ -90,6 +71,14 @@ class Recv:
     # WRITE mode: the producer processes our write requests reached (None: sent while the
     # hand-shake was not complete, so the receiving process is unknown).
     writers: list = field(default_factory=list)
+    clock: LoadClock | None = None  # moments of this load, for its phase timings
+    cause: Cause = Cause.OK  # why it failed (the first cause named wins)
+
+    def fail(self, cause: Cause, error: str, first: bool = False) -> None:
+        """Name why this load fails; ``first``: keep an earlier reason if there is one."""
+        if first and self.error:
+            return
+        self.cause, self.error = cause, error
 
 
 class Consumer:
@@ -99,8 +88,11 @@ class Consumer:
         self.ctx = ctx
         self.recv: dict[str, Recv] = {}  # req_id -> load
         self.recv_by_key: dict[str, str] = {}  # key -> req_id
-        self.peers: dict[tuple[str, int], PeerConn] = {}
+        self.producers = ProducerPeers(ctx)
+        self.peers: dict[tuple[str, int], PeerConn] = self.producers.peers
         self.done_recving: set[str] = set()
+        #: loads that ended, until ``report`` records their outcome and phases
+        self.reporting: dict[str, Recv] = {}
         self.failed_recving: set[str] = set()
         self.load_errors: set[int] = set()
         self._last_renew = 0.0
@@ -115,9 +107,10 @@ class Consumer:
         for job in jobs:
             if job.req_id in self.recv:
                 continue
-            r = self.recv[job.req_id] = Recv(job, deadline=now + self.ctx.cfg.transfer_timeout_s, started=now)
+            r = self.recv[job.req_id] = Recv(job, deadline=now + self.ctx.cfg.transfer_timeout_s, started=now,
+                                             clock=LoadClock(created=job.created_at, added=now))
             if job.refused:  # unusable kv_transfer_params: a load error, nothing to contact
-                r.error = job.refused
+                r.fail(Cause.PARAMS_REFUSED, job.refused)
                 self._finish(r, ok=False)
                 continue
             self.recv_by_key[job.key] = job.req_id
@@ -128,57 +121,15 @@ class Consumer:
                 r = self.recv.get(rid)
                 if r is not None and not r.aborted:
                     r.aborted = True
-                    r.error = r.error or "request aborted"
+                    r.fail(Cause.ABORTED, "request aborted", first=True)
 
     def peer(self, host: str, port: int) -> PeerConn:
         """Our connection to the producer worker of our rank (hand-shake sent if due)."""
-        port = port + self.ctx.tp_rank
-        p = self.peers.get((host, port))
-        if p is None:
-            p = self.peers[(host, port)] = PeerConn(host, port, self.ctx.new_client(host, port))
-        if p.state == "new" or (p.state == "hello" and time.monotonic() - p.last_hello > 1.0):
-            assert self.ctx.layout is not None
-            p.hello_cid = p.client.send(Hello(engine_id=self.ctx.name, tp_rank=self.ctx.tp_rank,
-                                              agent_md=self.ctx.agent_md, layout=self.ctx.layout,
-                                              reply_host=self.ctx.cfg.side_channel_host,
-                                              reply_port=self.ctx.port))
-            p.last_hello = time.monotonic()
-            p.state = "hello"
-        return p
-
-    def _on_welcome(self, p: PeerConn, msg: Welcome) -> None:
-        assert self.ctx.layout is not None
-        diff = self.ctx.layout.mismatch(msg.layout)
-        if diff:
-            p.fail(f"KV layout mismatch with producer {msg.engine_id} at {p.host}:{p.port}: {diff}. "
-                   "Both engines must serve the same model with the same dtype, block size and TP size.")
-            return
-        try:
-            peer = self.ctx.agent.connect(msg.agent_md)
-        except kvt.errors.KVTransportError as exc:
-            p.fail(f"cannot connect to {msg.engine_id}: {exc}")
-            return
-        try:
-            layouts = remote_layouts(peer, msg.layout)
-        except kvt.errors.KVTransportError as exc:
-            p.fail(f"producer {msg.engine_id} declared an unusable layout: {exc}")
-            return
-        p.kvt_peer, p.layouts, p.state, p.error = peer, layouts, "ready", ""
-        p.engine_name = msg.engine_id
+        return self.producers.get(host, port)
 
     def poll_replies(self) -> list[Msg]:
         """Take the hand-shake replies; return every other reply from producers."""
-        out: list[Msg] = []
-        for p in list(self.peers.values()):
-            for msg in p.client.poll():
-                if msg.cid == p.hello_cid and p.state == "hello":
-                    if isinstance(msg, Welcome):
-                        self._on_welcome(p, msg)
-                    elif isinstance(msg, Error):
-                        p.fail(f"producer {p.host}:{p.port} refused hand-shake: {msg.message}")
-                    continue
-                out.append(msg)
-        return out
+        return self.producers.poll()
 
     def on_reply(self, msg: Msg) -> None:
         """A producer's per-key answer to our Done / WriteReq / Cancel."""
@@ -197,16 +148,16 @@ class Consumer:
             if status == "ok":
                 self._finish(r, ok=True)
             elif status == "expired":
-                r.error = "producer lease expired before confirmation (stale read refused)"
+                r.fail(Cause.LEASE_EXPIRED, "producer lease expired before confirmation (stale read refused)")
                 self._finish(r, ok=False)
             elif status == "aborted":
                 r.peer_aborted = True
-                r.error = "producer aborted the request"
+                r.fail(Cause.PEER_ABORTED, "producer aborted the request")
                 self._finish(r, ok=False)
             elif status == "stale":
                 # we read from a previous incarnation of the producer (restarted at this
                 # address): those bytes are not its; hand-shake again
-                r.error = "producer restarted since the hand-shake (stale read refused)"
+                r.fail(Cause.STALE_READ, "producer restarted since the hand-shake (stale read refused)")
                 self._reset_peer(r.job)
                 self._send_release(r.job)
                 self._finish(r, ok=False)
@@ -216,9 +167,9 @@ class Consumer:
         elif r.state is RecvState.WRITE_WAIT and status in ("expired", "aborted"):
             if status == "aborted":  # same cause as the producer's Aborted notice
                 r.peer_aborted = True
-                r.error = "producer aborted the request"
+                r.fail(Cause.PEER_ABORTED, "producer aborted the request")
             else:
-                r.error = "producer no longer holds this request"
+                r.fail(Cause.LEASE_EXPIRED, "producer no longer holds this request")
             self._start_giving_up(r)
         elif r.state is RecvState.WRITE_WAIT and status == "hello":
             # the producer does not know us (it restarted): hand-shake again; the write
@@ -237,7 +188,9 @@ class Consumer:
     def _advance_connect(self, r: Recv, now: float, gave_up: bool) -> None:
         job = r.job
         if gave_up:
-            r.error = r.error or ("producer aborted" if r.peer_aborted else "timed out before connecting")
+            if r.peer_aborted:
+                r.fail(Cause.PEER_ABORTED, "producer aborted", first=True)
+            r.fail(Cause.TIMEOUT, "timed out before connecting", first=True)
             self._start_giving_up(r)
             return
         p = self.peer(job.host, job.port)
@@ -249,7 +202,7 @@ class Consumer:
             p.state = "new"
             p = self.peer(job.host, job.port)
         if p.state == "failed":
-            r.error = p.error
+            r.fail(Cause.HANDSHAKE_REFUSED, p.error)
             self._start_giving_up(r)
         elif p.state == "ready":
             self._start(r, p, now)
@@ -259,7 +212,10 @@ class Consumer:
         if st.state is kvt.State.PENDING:
             return  # the core fails it by its deadline (T2)
         if st.state is kvt.State.DONE:
+            r.clock.transferred = time.monotonic()
             self.ctx.stats["bytes"] += r.transfer.nbytes
+            record_transfer(self.ctx.stats, r.clock.transferred - r.clock.posted, r.transfer.nbytes,
+                            len(r.job.local_block_ids))
             if r.aborted:
                 self._send_release(r.job)
                 self._finish(r, ok=False)
@@ -267,14 +223,14 @@ class Consumer:
                 self._set(r, RecvState.CONFIRM)
                 self._send_confirm(r, now)
         elif st.quiesced:  # FAILED; no late byte can land any more (T3)
-            r.error = f"read failed: {st.reason}"
+            r.fail(Cause.TRANSPORT, f"read failed: {st.reason}")
             self._reset_peer(r.job)
             self._send_release(r.job)
             self._finish(r, ok=False)
 
     def _advance_confirm(self, r: Recv, now: float, gave_up: bool) -> None:
         if gave_up:
-            r.error = r.error or "no confirmation from the producer before the deadline"
+            r.fail(Cause.TIMEOUT, "no confirmation from the producer before the deadline", first=True)
             self._send_release(r.job)
             self._finish(r, ok=False)
         elif now - r.last_sent > 0.05:
@@ -284,8 +240,9 @@ class Consumer:
         if r.written is True:
             self._finish(r, ok=True)
         elif r.written is False or gave_up:
-            r.error = r.error or ("producer write failed" if r.written is False
-                                  else "write not received before the deadline")
+            if r.written is False:
+                r.fail(Cause.TRANSPORT, "producer write failed", first=True)
+            r.fail(Cause.TIMEOUT, "write not received before the deadline", first=True)
             self._start_giving_up(r)
         elif now - r.last_sent > 0.5:
             self._send_write_req(r, now)  # idempotent on the producer
@@ -296,13 +253,13 @@ class Consumer:
         if self._writers_gone(r):
             # Every process that could write into our blocks has exited: a dead process
             # cannot write ("the producer is known gone").
-            r.error += "; producer process is gone: no write can land any more"
+            r.fail(Cause.PEER_GONE, r.error + "; producer process is gone: no write can land any more")
             self._finish(r, ok=False)
         elif now >= r.deadline + self.ctx.cfg.lease_s + self.ctx.cfg.transfer_timeout_s:
             # Producer unreachable for longer than its lease plus a transfer deadline: it
             # can no longer write into our blocks (it dropped the hold and any write it
             # posted has ended). Known gone.
-            r.error += "; producer unreachable, considered gone"
+            r.fail(Cause.PEER_GONE, r.error + "; producer unreachable, considered gone")
             self._finish(r, ok=False)
 
     def _writers_gone(self, r: Recv) -> bool:
@@ -312,6 +269,7 @@ class Consumer:
 
     def _start(self, r: Recv, p: PeerConn, now: float) -> None:
         job = r.job
+        r.clock.posted = now
         if job.mode == "write":
             self._set(r, RecvState.WRITE_WAIT)
             self._send_write_req(r, now)
@@ -325,13 +283,17 @@ class Consumer:
                                              timeout=max(0.001, r.deadline - time.monotonic()))
             r.instance = p.kvt_peer.instance
         except kvt.errors.KVTransportError as exc:
-            r.error = f"read refused: {exc}"
+            r.fail(Cause.TRANSPORT, f"read refused: {exc}")
             self._reset_peer(job)
             self._send_release(job)
             self._finish(r, ok=False)
             return
         self.ctx.stats["transfers"] += 1
         self._set(r, RecvState.READ)
+        # A small READ often completes during the post (loopback, shared memory): confirm it
+        # in this same step instead of one engine step later.
+        self.ctx.agent.progress()
+        self._advance_read(r, time.monotonic(), False)
 
     def _reset_peer(self, job: RecvJob) -> None:
         """After a failed transfer, hand-shake again before the next one (the producer may
@@ -380,6 +342,12 @@ class Consumer:
             if r.state is RecvState.FINISHED:
                 return
             r.state = RecvState.FINISHED
+            r.clock.finished = time.monotonic()
+            if ok:
+                r.cause = Cause.OK
+            elif r.cause is Cause.OK:  # failed without a named reason
+                r.cause = Cause.TRANSPORT
+            self.reporting[r.job.req_id] = r
             self.recv.pop(r.job.req_id, None)
             self.recv_by_key.pop(r.job.key, None)
             self.done_recving.add(r.job.req_id)
@@ -396,6 +364,13 @@ class Consumer:
                     self.load_errors.update(r.job.local_block_ids)
                 log.warning("kvtransport: load of request %s (key %s) failed: %s",
                             r.job.req_id, r.job.key, r.error or "unknown")
+
+    def report(self, req_ids: set[str], now: float) -> None:
+        """Record the outcome and phase timings of loads just handed to vLLM. Caller holds the lock."""
+        for rid in req_ids:
+            r = self.reporting.pop(rid, None)
+            if r is not None and r.clock is not None:
+                record_load(self.ctx.stats, r.clock, now, r.cause)
 
     def renew(self, now: float) -> None:
         """Renew the producer's lease on every key we still want (lifecycle: a slow but
@@ -423,8 +398,10 @@ class Consumer:
         if r is None or r.state not in (RecvState.WRITE_WAIT, RecvState.CANCEL):
             return "unknown"  # late / duplicate: dropped (R3)
         r.written = msg.ok
+        if msg.ok and r.clock is not None:
+            r.clock.transferred = time.monotonic()
         if r.state is RecvState.WRITE_WAIT and not msg.ok:
-            r.error = f"producer write failed: {msg.reason}"
+            r.fail(Cause.TRANSPORT, f"producer write failed: {msg.reason}")
         # in CANCEL: the write has ended, so nothing more can land; the producer acks
         # our next Cancel
         return "ok"
@@ -436,7 +413,7 @@ class Consumer:
         if r is None:
             return False
         r.peer_aborted = True
-        r.error = "producer aborted the request"
+        r.fail(Cause.PEER_ABORTED, "producer aborted the request")
         return True
 
 

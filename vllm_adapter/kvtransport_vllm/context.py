@@ -18,16 +18,11 @@ import kvtransport as kvt
 from kvtransport.auth import Authenticator
 
 from .config import ConnectorConfig
+from .load_stats import new_stats
 from .messages import LayoutInfo
 from .side_channel import SideChannelClient
 
 __all__ = ["WorkerContext", "new_stats"]
-
-
-def new_stats() -> dict[str, Any]:
-    """Counters since the last ``take_stats`` (see :mod:`.stats` for their meaning)."""
-    return {"bytes": 0, "transfers": 0, "failures": 0, "loads_ok": 0, "leases_expired": 0,
-            "latency_s_sum": 0.0, "latency_s_max": 0.0}
 
 
 @dataclass

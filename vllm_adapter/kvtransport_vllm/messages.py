@@ -198,6 +198,8 @@ class RecvJob:
     #: non-empty: the params could not be loaded from (the typed refusal's text); the
     #: worker fails this load at once so vLLM applies its load failure policy
     refused: str = ""
+    #: time.time() when the scheduler allocated the blocks (start of the load's timings)
+    created_at: float = 0.0
 
 
 @dataclass

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,7 @@ import kvtransport as kvt
 
 from .context import WorkerContext
 from .kv_layout import block_segments, remote_layouts
+from .load_stats import HOLD_CAUSES, Cause, count_outcome, record_transfer
 from .messages import Hello, HoldJob, LayoutInfo, Msg, Reply, WriteReq, Written
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,7 @@ class Hold:
     write_reason: str = ""
     notify_cid: int = 0
     last_sent: float = 0.0
+    posted_at: float = 0.0  # WRITE: when the write was posted (its transfer time)
 
     @property
     def write_in_flight(self) -> bool:
@@ -124,6 +127,10 @@ class Producer:
         self.done_sending.add(h.req_id)
         if why == "expired":
             self.ctx.stats["leases_expired"] += 1
+        cause = HOLD_CAUSES.get(why, Cause.OK)
+        if cause is Cause.OK and h.write is not None and not h.write_ok:
+            cause = Cause.TRANSPORT  # WRITE mode: the consumer acknowledged a failed write
+        count_outcome(self.ctx.stats, "hold", cause)
         return True
 
     def advance(self, now: float) -> None:
@@ -177,6 +184,8 @@ class Producer:
         with self.ctx.lock:
             if ok:
                 self.ctx.stats["bytes"] += h.write.nbytes
+                record_transfer(self.ctx.stats, time.monotonic() - h.posted_at, h.write.nbytes,
+                                len(h.dest[1]) if h.dest else 0)
             else:
                 self.ctx.stats["failures"] += 1
             h.state, h.write_ok, h.write_reason, h.last_sent = HoldState.NOTIFY, ok, st.reason, 0.0
@@ -189,6 +198,7 @@ class Producer:
         n_src = len(h.block_ids)
         src_blocks = h.block_ids[n_src - len(dst_blocks):] if len(dst_blocks) <= n_src else None
         next_state, fail, write = HoldState.NOTIFY, "", None
+        h.posted_at = time.monotonic()  # POSTING: only this thread touches the hold
         try:
             if src_blocks is None:
                 fail = f"consumer asked for {len(dst_blocks)} blocks, producer has {n_src}"

@@ -105,7 +105,7 @@ class KVTransportScheduler:
                 unhashed = [b.block_id for b in blocks.blocks[0] if b.block_hash is None and not b.is_null]
                 self._meta.recv.append(RecvJob(req_id=request.request_id, key="", mode=self.cfg.mode,
                                                local_block_ids=unhashed, remote_block_ids=[], host="", port=0,
-                                               refused=str(found)))
+                                               refused=str(found), created_at=time.time()))
             return
         all_ids = list(blocks.get_block_ids()[0])
         unhashed = [b.block_id for b in blocks.blocks[0] if b.block_hash is None and not b.is_null]
@@ -126,6 +126,7 @@ class KVTransportScheduler:
                 host=src.peer.host,
                 port=src.peer.port,
                 remote_engine_id=src.remote_engine_id,
+                created_at=time.time(),
             )
         )
 

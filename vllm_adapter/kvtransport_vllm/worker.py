@@ -71,6 +71,8 @@ class KVTransportWorker:
         self._notices: list[tuple[PeerNotice, float]] = []
         #: side-channel refusal totals at the last take_stats(), to report differences
         self._side_channel_reported = _side_channel_zero()
+        #: (holds, loads) in flight at the last take_stats(), reported again only when changed
+        self._in_flight_reported = (0, 0)
         #: totals of side-channel sockets already closed (shutdown), so totals never go down
         self._side_channel_closed = _side_channel_zero()
 
@@ -199,6 +201,7 @@ class KVTransportWorker:
         with self.ctx.lock:
             sending, self.producer.done_sending = self.producer.done_sending, set()
             recving, self.consumer.done_recving = self.consumer.done_recving, set()
+            self.consumer.report(recving, time.monotonic())
         return (sending or None), (recving or None)
 
     def take_failed_recving(self) -> set[str]:
@@ -217,6 +220,10 @@ class KVTransportWorker:
         throttling reads them), so they are reported as the difference to the last call."""
         with self.ctx.lock:
             out, self.ctx.stats = self.ctx.stats, new_stats()
+            in_flight = (len(self.producer.holds), len(self.consumer.recv))
+            if in_flight != self._in_flight_reported:  # gauges: reported when they change
+                out["holds_in_flight"], out["loads_in_flight"] = in_flight
+                self._in_flight_reported = in_flight
             totals = self._side_channel_totals()
             for k, v in totals.items():
                 out[k] = v - self._side_channel_reported[k]

