@@ -82,6 +82,24 @@ def wait_idle(server: VllmServer, timeout_s: float = 60.0) -> dict[str, float]:
         time.sleep(0.5)
 
 
+def _outcomes(server: VllmServer, side: str, cause: str | None = None) -> float:
+    """The connector's outcome counter on /metrics (issue 17: vllm:kvtransport_outcomes_total)."""
+    labels = {"side": side} if cause is None else {"side": side, "cause": cause}
+    return server.metric("vllm:kvtransport_outcomes_total", **labels)
+
+
+def wait_for_count(what: str, read, want: float, timeout_s: float = 30.0) -> float:
+    """Poll a counter until it reaches ``want`` (stats reach /metrics with the next engine step)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = read()
+        if got >= want:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: {got} after {timeout_s}s, expected {want}")
+        time.sleep(0.2)
+
+
 # --------------------------------------------------------------------------- baseline
 def test_baseline_single_engine_answers_every_prompt(baseline, vocab_size):
     """The reference: one plain engine, full-length greedy completions, reproducible."""
@@ -98,6 +116,8 @@ def test_greedy_matches_single_engine_and_kv_is_remote(pair, baseline, vocab_siz
     pair.ensure_prefill()
     client = prompts.client(pair.proxy.url)
     mismatches, not_remote, seen = [], [], []
+    loads0, holds0 = _outcomes(pair.decode, "load", "ok"), _outcomes(pair.prefill, "hold", "ok")
+    failed0 = _outcomes(pair.decode, "load") - loads0
     for p in prompts.correctness_prompts(vocab_size, _seed(pair)):
         ext0, loc0 = _prompt_tokens(pair.decode)
         pre_ext0, pre_loc0 = _prompt_tokens(pair.prefill)
@@ -126,6 +146,14 @@ def test_greedy_matches_single_engine_and_kv_is_remote(pair, baseline, vocab_siz
         assert row["local"] + row["remote"] == row["len"], row
         if row["len"] >= BLOCK_SIZE:
             assert row["local"] < BLOCK_SIZE, row
+    # Issue 17: the connector's series on /metrics count exactly these loads and holds.
+    n_remote = sum(1 for row in seen if row["len"] >= BLOCK_SIZE)
+    loads = wait_for_count("decode loads ok", lambda: _outcomes(pair.decode, "load", "ok"), loads0 + n_remote)
+    holds = wait_for_count("prefill holds ok", lambda: _outcomes(pair.prefill, "hold", "ok"), holds0 + n_remote)
+    assert (loads - loads0, holds - holds0) == (n_remote, n_remote)
+    assert _outcomes(pair.decode, "load") - loads - failed0 == 0  # no failed load
+    assert pair.decode.metric("vllm:kvtransport_remote_kv_wait_seconds_count", backend=pair.backend,
+                              mode=pair.mode) >= n_remote
 
 
 def test_streaming_through_proxy(pair, baseline, vocab_size):
@@ -295,6 +323,7 @@ def test_prefill_killed_mid_run(pair, baseline, vocab_size):
                  for p, kv in zip(ps[half:], kvs[half:])]
         return killed_at, await asyncio.gather(*first), await asyncio.gather(*later), await asyncio.gather(*burst)
 
+    failed0 = _outcomes(pair.decode, "load") - _outcomes(pair.decode, "load", "ok")
     killed_at, first, later, via = asyncio.run(asyncio.wait_for(run(), timeout=TRANSFER_TIMEOUT_S * 4 + 120))
     assert not pair.prefill.alive
     lease_end = killed_at + LEASE_S
@@ -308,6 +337,12 @@ def test_prefill_killed_mid_run(pair, baseline, vocab_size):
     for p, (end, r) in zip(proxied, via):
         report["proxy"].append((len(p), _check_ended(pair, p, end, r, lease_end, baseline)))
     print(f"\n[e2e] {pair.backend}-{pair.mode} after prefill kill ({pair.policy}): {report}")
+    # Issue 17: the loads whose KV died with the engine show on /metrics under their cause.
+    wait_for_count("decode failed loads", lambda: _outcomes(pair.decode, "load") - _outcomes(pair.decode, "load", "ok"),
+                   failed0 + len(ps) - half)
+    causes = {c: _outcomes(pair.decode, "load", c) for c in ("peer_gone", "timeout", "transport_failure",
+                                                            "handshake_refused", "lease_expired")}
+    print(f"[e2e] decode failure causes after the kill: {causes}")
 
     # The proxy reports the dead prefill engine clearly.
     r = httpx.post(pair.proxy.url + "/v1/completions", timeout=60,

@@ -97,3 +97,24 @@ def test_injected_failure_counted_under_its_cause(pairs):
     labels = {"backend": "loopback", "mode": "read", "side": "load"}
     assert _value(reg, "vllm:kvtransport_outcomes_total", cause="transport_failure", **labels) == 1
     assert _value(reg, "vllm:kvtransport_outcomes_total", cause="ok", **labels) == 0
+
+
+def test_grafana_dashboard_uses_only_exported_series(pairs):
+    """examples/grafana-kvtransport.json queries series the connector really exports."""
+    import json
+    import re
+    from pathlib import Path
+
+    pair = pairs("read")
+    prompt = prompt_of(70)
+    params = pair.prefill("g1", prompt)
+    pair.C.add("g1", prompt, 2, params)
+    pair.drain()
+    c_prom, c_reg = _prom({"backend": "loopback", "mode": "read"})
+    p_prom, p_reg = _prom({"backend": "loopback", "mode": "read"})
+    _feed(pair.C, c_prom)
+    _feed(pair.P, p_prom)
+    exported = {s.name for reg in (c_reg, p_reg) for m in reg.collect() for s in m.samples}
+    dash = json.loads((Path(__file__).resolve().parents[2] / "examples" / "grafana-kvtransport.json").read_text())
+    used = {n for p in dash["panels"] for t in p["targets"] for n in re.findall(r"vllm:kvtransport_\w+", t["expr"])}
+    assert used and not used - exported, f"dashboard series not exported: {sorted(used - exported)}"
