@@ -11,14 +11,15 @@ block is refused with a message instead of guessed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 import kvtransport as kvt
 from kvtransport.memory import tensor_memory_kind
 
-from .messages import LayoutInfo
+if TYPE_CHECKING:  # .messages imports vLLM; this module (and .staging) must import without it
+    from .messages import LayoutInfo
 
 __all__ = ["KVLayoutError", "LayerMem", "describe_kv_caches", "check_uniform", "remote_layouts", "block_segments"]
 
