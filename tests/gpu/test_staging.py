@@ -197,3 +197,20 @@ def test_staged_loads_deliver_the_producers_bytes_into_the_consumers_kv_cache(pa
     pair.drain()
     pair.assert_no_leak()
     assert pair.C.worker._worker._staged_loads == {}  # every staged load copied or dropped
+
+
+def test_only_successful_live_loads_are_copied_into_the_cache():
+    """Failed loads are recomputed by vLLM; aborted requests' blocks may already belong to
+    another request: neither is copied from the mirror into the cache."""
+    w = _worker("kv_consumer", "read", "cpu")
+    copied = []
+
+    class Rec:
+        def after_receive(self, ids):
+            copied.append(sorted(ids))
+
+    w.kv_device = Rec()
+    w._staged_loads = {"ok": [1, 2], "failed": [3], "aborted": [4], "later": [5]}
+    w._copy_staged_loads({"ok", "failed", "aborted"}, failed={"failed"}, finished_req_ids={"aborted"})
+    assert copied == [[1, 2]]
+    assert w._staged_loads == {"later": [5]}  # still loading: copied when it is reported

@@ -233,8 +233,9 @@ class KVTransportWorker:
         with self.ctx.lock:
             sending, self.producer.done_sending = self.producer.done_sending, set()
             recving, self.consumer.done_recving = self.consumer.done_recving, set()
-            failed = set(self.consumer.failed_recving)
-        if self._staged_loads:
+            staged = bool(self._staged_loads)  # host staging only; nothing to do otherwise
+            failed = self.consumer.failed_recving & recving if staged else set()
+        if staged:
             self._copy_staged_loads(recving, failed, finished_req_ids)
         return (sending or None), (recving or None)
 
