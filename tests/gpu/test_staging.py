@@ -214,3 +214,34 @@ def test_only_successful_live_loads_are_copied_into_the_cache():
     w._copy_staged_loads({"ok", "failed", "aborted"}, failed={"failed"}, finished_req_ids={"aborted"})
     assert copied == [[1, 2]]
     assert w._staged_loads == {"later": [5]}  # still loading: copied when it is reported
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available() and not getattr(torch.version, "hip", None)
+
+
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU (torch.cuda.is_available() is False here)")
+@pytest.mark.parametrize("make", LAYOUTS, ids=lambda f: f.__name__.strip("_"))
+def test_device_copies_on_cuda(make):
+    """On a CUDA host: the mirror is pinned, and both copies move exactly the named blocks
+    between device memory and the mirror (the device side this machine cannot run)."""
+    caches = {f"layers.{i}": make().cuda() for i in range(2)}  # .cuda() keeps a dense view's strides
+    layers = describe_kv_caches(caches, NB)
+    direct = make_kv_device(layers, "auto")
+    assert isinstance(direct, DirectDeviceKV)
+    direct.before_send([1])  # the real current-stream synchronize
+    st = make_kv_device(layers, "cpu")
+    assert all(h.is_pinned() for h in st.host)
+    ids = [6, 2]
+    st.before_send(ids)
+    for lm, h, cache in zip(st.layers, st.host, caches.values()):
+        assert torch.equal(_blocks(h, lm.block_dim, ids), _blocks(cache.cpu(), lm.block_dim, ids))
+    before = [c.cpu() for c in caches.values()]
+    for h in st.host:
+        h.copy_(torch.randn(h.shape))
+    st.after_receive([1, 7])
+    for lm, h, cache, old in zip(st.layers, st.host, caches.values(), before):
+        got = cache.cpu()
+        assert torch.equal(_blocks(got, lm.block_dim, [1, 7]), _blocks(h, lm.block_dim, [1, 7]))
+        assert torch.equal(_blocks(got, lm.block_dim, [0, 2, 3, 4, 5, 6]),
+                           _blocks(old, lm.block_dim, [0, 2, 3, 4, 5, 6]))
