@@ -14,6 +14,14 @@ swap metadata over a local ZeroMQ socket; the client then moves, READ and WRITE:
 verifies every byte (READ on the client, WRITE on the server; for WRITE the untouched
 bytes too), then times ``--iters`` more transfers and prints a GB/s table.
 
+``--paths`` (default ``direct,staged``): *direct* registers the device buffer itself;
+*staged* is the vLLM connector's host staging (``kv_buffer_device: cpu``), with its own
+code (``kvtransport_vllm.staging.HostStaging``): the device buffer is a cache of
+``--scatter``-sized blocks, a host mirror of it is registered, the sender copies the
+moved blocks device -> host before the transfer, the receiver host -> device after it,
+and the bytes are verified in device memory. Staged timings include both copies and one
+control round trip to the server.
+
 Exit status: 0 when every check passed; 1 when a transfer failed, a byte differed, or a
 backend refused device memory (the reason is printed); 2 when this host cannot validate
 anything (no CUDA device, no torch, or a ROCm build of torch: use bench/moriio_validate.py),
@@ -68,11 +76,24 @@ def pattern(seed: int, nbytes: int) -> np.ndarray:
 class Buffer:
     """One registered buffer, in device memory (a torch CUDA tensor) or, for the script's
     self-test, CPU memory. Filled and read back through host copies only: the transports
-    move device bytes, numpy sees copies."""
+    move device bytes, numpy sees copies. Staged (``block_bytes`` > 0): the buffer is a
+    cache of blocks and the transport moves its host mirror (connector host staging)."""
 
-    def __init__(self, agent: kvt.Agent, nbytes: int, memory: str, gpu: int):
-        self.nbytes, self.memory = nbytes, memory
-        if memory == "cuda":
+    def __init__(self, agent: kvt.Agent, nbytes: int, memory: str, gpu: int, block_bytes: int = 0):
+        self.nbytes, self.memory, self.block_bytes = nbytes, memory, block_bytes
+        self.staging: Any = None
+        if block_bytes:
+            import torch
+            from kvtransport_vllm.kv_layout import describe_kv_caches
+            from kvtransport_vllm.staging import HostStaging
+
+            self.dev = torch.device(f"cuda:{gpu}" if memory == "cuda" else "cpu")
+            self.t = torch.zeros(nbytes, dtype=torch.uint8, device=self.dev)
+            nblocks = nbytes // block_bytes
+            cache = self.t.view(nblocks, block_bytes)
+            self.staging = HostStaging(describe_kv_caches({"buffer": cache}, nblocks))
+            self.region = agent.register(self.staging.host[0].view(-1))  # the mirror: CPU memory
+        elif memory == "cuda":
             import torch
 
             self.dev = torch.device(f"cuda:{gpu}")
@@ -84,11 +105,14 @@ class Buffer:
 
     def fill(self, seed: int) -> None:
         data = pattern(seed, self.nbytes)
-        if self.memory == "cuda":
+        if self.staging is not None:
+            self.staging.host[0].zero_()  # a missing staging copy cannot pass on stale bytes
+        if self.memory == "cuda" or self.staging is not None:
             import torch
 
             self.t.copy_(torch.from_numpy(data.copy()).to(self.dev))
-            torch.cuda.synchronize(self.dev)  # the pattern is on the device before any transfer
+            if self.memory == "cuda":
+                torch.cuda.synchronize(self.dev)  # the pattern is on the device before any transfer
         else:
             self.a[:] = data
 
@@ -98,7 +122,14 @@ class Buffer:
 
             torch.cuda.synchronize(self.dev)
             return self.t.cpu().numpy()
+        if self.staging is not None:
+            return self.t.numpy()
         return self.a
+
+    def block_ids(self, offsets: list[int], lengths: list[int]) -> list[int]:
+        """The staging blocks covering these (block-aligned) byte ranges."""
+        bb = self.block_bytes
+        return [b for o, n in zip(offsets, lengths) for b in range(o // bb, (o + n) // bb)]
 
 
 # --------------------------------------------------------------------------- server
@@ -118,11 +149,15 @@ def serve(args: argparse.Namespace) -> int:
         try:
             if cmd == "open":
                 agent = kvt.open(msg["backend"], name=f"gpu-validate-server-{msg['backend']}")
-                buf = Buffer(agent, args.region_mib << 20, args.memory, args.gpu)
+                buf = Buffer(agent, args.region_mib << 20, args.memory, args.gpu, msg.get("block_bytes", 0))
                 agent.connect(msg["metadata"])
                 reply.update(metadata=agent.metadata(), region_id=buf.region.id)
             elif cmd == "reset":
                 buf.fill(SERVER_SEED)
+            elif cmd == "stage_out":  # staged READ: our blocks device -> host mirror first
+                buf.staging.before_send(buf.block_ids(msg["off"], msg["len"]))
+            elif cmd == "stage_in":  # staged WRITE: written blocks host mirror -> device
+                buf.staging.after_receive(buf.block_ids(msg["off"], msg["len"]))
             elif cmd == "verify_write":
                 # expected: our pattern, with the client's bytes at the written ranges
                 expect = pattern(SERVER_SEED, buf.nbytes).copy()
@@ -154,6 +189,13 @@ def serve(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- client
+class _Failed:
+    """A staged step that failed before or after the transfer, shaped like its status."""
+
+    def __init__(self, reason: str) -> None:
+        self.ok, self.reason = False, reason
+
+
 class Client:
     def __init__(self, args: argparse.Namespace, port: int, server: subprocess.Popen):
         self.args, self.server = args, server
@@ -199,24 +241,29 @@ class Client:
         out.append((f"{n} x {bb // 1024} KiB scattered", loc, rem, np.full(n, bb, np.uint64)))
         return out
 
-    def run_backend(self, backend: str) -> None:
+    def run_backend(self, backend: str, staged: bool = False) -> None:
         a = self.args
         nbytes = a.region_mib << 20
+        bb = a.scatter[1] if staged else 0
+        label = f"{backend}+staged" if staged else backend
+        what = f"{a.memory} memory" + (" (staged through a host mirror)" if staged else "")
         try:
-            agent = kvt.open(backend, name=f"gpu-validate-client-{backend}", default_timeout_s=a.timeout)
-            buf = Buffer(agent, nbytes, a.memory, 0)
+            agent = kvt.open(backend, name=f"gpu-validate-client-{label}", default_timeout_s=a.timeout)
+            buf = Buffer(agent, nbytes, a.memory, 0, bb)
         except Exception as exc:
-            self.check(f"{backend}: register {a.memory} memory", False, f"{type(exc).__name__}: {exc}")
+            self.check(f"{label}: register {what}", False, f"{type(exc).__name__}: {exc}")
             return
         try:
-            r = self.call("open", backend=backend, metadata=agent.metadata())
-            if not self.check(f"{backend}: server registers {a.memory} memory", r["ok"], r.get("error", "")):
+            r = self.call("open", backend=backend, metadata=agent.metadata(), block_bytes=bb)
+            if not self.check(f"{label}: server registers {what}", r["ok"], r.get("error", "")):
                 return
             peer = agent.connect(r["metadata"])
             remote = peer.region(r["region_id"])
             for name, loc, rem, ln in self.cases(nbytes):
+                if staged and (ln % bb).any():
+                    raise SystemExit(f"gpu_validate: staged cases need sizes that are multiples of {bb} bytes")
                 for op in ("READ", "WRITE"):
-                    self.one_case(backend, op, name, agent, peer, buf, remote, loc, rem, ln)
+                    self.one_case(label, op, name, agent, peer, buf, remote, loc, rem, ln)
         finally:
             self.call("close")
             agent.close()
@@ -226,9 +273,15 @@ class Client:
                  remote: Any, loc: np.ndarray, rem: np.ndarray, ln: np.ndarray) -> None:
         self.call("reset")
         buf.fill(CLIENT_SEED)
-        fn = agent.read if op == "READ" else agent.write
+        move = agent.read if op == "READ" else agent.write
         local_segs, remote_segs = buf.region.segments(loc, ln), remote.segments(rem, ln)
-        st = fn(peer, local_segs, remote_segs).wait()
+
+        def fn(peer: Any, local_segs: Any, remote_segs: Any) -> Any:
+            if buf.staging is None:
+                return move(peer, local_segs, remote_segs).wait()
+            return self.staged(op, buf, move, peer, local_segs, remote_segs, loc, rem, ln)
+
+        st = fn(peer, local_segs, remote_segs)
         label = f"{backend}: {op} {name} byte-exact"
         if not st.ok:
             self.check(label, False, st.reason)
@@ -248,7 +301,7 @@ class Client:
         lat = []
         for _ in range(self.args.iters):
             t0 = time.perf_counter()
-            st = fn(peer, local_segs, remote_segs).wait()
+            st = fn(peer, local_segs, remote_segs)
             lat.append(time.perf_counter() - t0)
             if not st.ok:
                 self.check(f"{backend}: {op} {name} timed runs", False, st.reason)
@@ -258,14 +311,35 @@ class Client:
             self.table.append({"backend": backend, "op": op, "case": name, "MiB": float(ln.sum()) / 2**20,
                                "GB/s": float(ln.sum()) / med / 1e9, "ms": med * 1e3})
 
+    def staged(self, op: str, buf: Buffer, move: Any, peer: Any, local_segs: Any, remote_segs: Any,
+                loc: np.ndarray, rem: np.ndarray, ln: np.ndarray) -> Any:
+        """One staged transfer (its status), as the connector does it: the sender's blocks
+        device -> host before the transfer, the receiver's host -> device after it."""
+        off_l, off_r, lens = loc.tolist(), rem.tolist(), ln.tolist()
+        if op == "READ":
+            r = self.call("stage_out", off=off_r, len=lens)
+            if not r["ok"]:
+                return _Failed(f"server staging copy failed: {r.get('error')}")
+            st = move(peer, local_segs, remote_segs).wait()
+            if st.ok:
+                buf.staging.after_receive(buf.block_ids(off_l, lens))
+            return st
+        buf.staging.before_send(buf.block_ids(off_l, lens))
+        st = move(peer, local_segs, remote_segs).wait()
+        if st.ok:
+            r = self.call("stage_in", off=off_r, len=lens)
+            if not r["ok"]:
+                return _Failed(f"server staging copy failed: {r.get('error')}")
+        return st
+
 
 def print_table(rows: list[dict[str, Any]], memory: str) -> None:
     note = "" if memory == "cuda" else "  (CPU memory: script self-test, NOT device memory)"
     print(f"\nthroughput, median of the timed runs{note}")
-    hdr = f"{'backend':<9}{'op':<7}{'case':<26}{'MiB':>8}{'GB/s':>9}{'ms':>9}"
+    hdr = f"{'backend':<16}{'op':<7}{'case':<26}{'MiB':>8}{'GB/s':>9}{'ms':>9}"
     print(hdr + "\n" + "-" * len(hdr))
     for r in rows:
-        print(f"{r['backend']:<9}{r['op']:<7}{r['case']:<26}{r['MiB']:>8.1f}{r['GB/s']:>9.2f}{r['ms']:>9.2f}")
+        print(f"{r['backend']:<16}{r['op']:<7}{r['case']:<26}{r['MiB']:>8.1f}{r['GB/s']:>9.2f}{r['ms']:>9.2f}")
 
 
 def _free_port() -> int:
@@ -290,7 +364,10 @@ def run(args: argparse.Namespace) -> int:
     client = Client(args, port, server)
     try:
         for backend in args.backends:
-            client.run_backend(backend)
+            if "direct" in args.paths:
+                client.run_backend(backend)
+            if "staged" in args.paths:
+                client.run_backend(backend, staged=True)
         client.call("bye")
     finally:
         client.sock.close()
@@ -311,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes-mib", type=lambda s: [int(x) for x in s.split(",")], default=[16, 256])
     p.add_argument("--scatter", type=lambda s: tuple(int(x) for x in s.lower().split("x")), default=(4096, 16384),
                    help="COUNTxBYTES scattered blocks (default 4096x16384)")
+    p.add_argument("--paths", type=lambda s: s.split(","), default=["direct", "staged"],
+                   help="direct (register device memory), staged (host staging as the connector's "
+                        "kv_buffer_device: cpu), or both (default)")
     p.add_argument("--region-mib", type=int, default=256, help="registered buffer per side (MiB)")
     p.add_argument("--iters", type=int, default=5, help="timed transfers per case after the verified one")
     p.add_argument("--timeout", type=float, default=120.0, help="per-transfer and per-reply deadline (s)")

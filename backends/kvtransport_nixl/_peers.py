@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import struct
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 
 import msgspec
 
+from kvtransport.errors import PeerMetadataError
 from kvtransport.process_identity import ProcessIdentity
 from kvtransport.spi import RemoteRegion
 
@@ -39,6 +41,25 @@ class Export(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 ENC = msgspec.msgpack.Encoder()
 DEC = msgspec.msgpack.Decoder(Export)
 
+#: A region's blob: empty for CPU memory (DRAM, device 0); for device memory (VRAM) the
+#: device index it was registered on, which NIXL needs in the peer's transfer descriptors
+#: (NIXL finds a remote region by device and address).
+_DEV = struct.Struct("<I")
+
+
+def region_blob(kind: str, dev: int) -> bytes:
+    return b"" if kind == "DRAM" else _DEV.pack(dev)
+
+
+def region_device(peer_name: str, r: RemoteRegion) -> int:
+    """The NIXL device index of a peer's region, from its blob (strict)."""
+    if r.kind == "cpu" and not r.blob:
+        return 0
+    if r.kind == "cuda" and len(r.blob) == _DEV.size:
+        return _DEV.unpack(r.blob)[0]
+    raise PeerMetadataError(f"nixl peer {peer_name!r}: region {r.id} ({r.kind}) has a malformed blob "
+                            f"({len(r.blob)} bytes)")
+
 
 class Conn:
     """A loaded remote NIXL agent and what we know about its process."""
@@ -48,6 +69,7 @@ class Conn:
         self.nixl_name = exp.nixl_name
         self.ident = ProcessIdentity(exp.pid, exp.start_time, exp.boot_id, exp.pid_ns)
         self.remote_kinds = {r.id: r.kind for r in regions}
+        self.remote_devs = {r.id: region_device(name, r) for r in regions}
         self.all_cpu = all(k == "cpu" for k in self.remote_kinds.values())
         #: Check the process only for a same-host peer in another process.
         self.watch = exp.pid != os.getpid() and self.ident.checkable_here()

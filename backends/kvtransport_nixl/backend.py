@@ -59,7 +59,7 @@ from kvtransport.spi import (
 
 from . import _probe
 from ._options import NixlOptions, parse_options
-from ._peers import DEC, ENC, Conn, Export, ucx_env
+from ._peers import DEC, ENC, Conn, Export, region_blob, ucx_env
 from ._reuse import RequestCache
 from ._xfer import Poster, Stage, Xfer, nixl_error, post_now, refresh
 
@@ -81,7 +81,10 @@ class NixlBackend(Backend):
         read=True,
         write=True,
         notify=True,
-        memory_kinds=frozenset({"cpu"}),
+        # What NIXL can move on a suitable host ("cuda" = NIXL's VRAM_SEG, with the device
+        # index in every descriptor); an agent narrows this to what its plugins and this
+        # host offer (``__init__``), so the core refuses cuda here before NIXL sees it.
+        memory_kinds=frozenset({"cpu", "cuda"}),
         scopes=frozenset({Scope.SAME_PROCESS, Scope.SAME_HOST, Scope.CROSS_HOST}),
         detects_peer_failure=True,
     )
@@ -117,9 +120,9 @@ class NixlBackend(Backend):
                     f"nixl backend: plugin {plugin} failed to start{env}: {type(exc).__name__}: {exc}; "
                     f"its parameters were {params[plugin]}") from None
         mems = [set(self._nx.get_backend_mem_types(p)) for p in self.opts.backends]
-        if all("VRAM_SEG" in s for s in mems) and _probe.has_gpu():
-            caps = self.capabilities
-            self.capabilities = Capabilities(caps.read, caps.write, caps.notify, frozenset({"cpu", "cuda"}),
+        if not (all("VRAM_SEG" in s for s in mems) and _probe.has_gpu()):
+            caps = self.capabilities  # no GPU here, or a plugin without VRAM: CPU memory only
+            self.capabilities = Capabilities(caps.read, caps.write, caps.notify, frozenset({"cpu"}),
                                              caps.scopes, caps.detects_peer_failure)
         self._ident = ProcessIdentity.current()
         self._regs: dict[int, Any] = {}
@@ -172,7 +175,9 @@ class NixlBackend(Backend):
             raise KVTransportError(nixl_error(exc, f"NIXL refused to register region {region.id}")) from None
         self._regs[region.id] = descs
         self._kinds[region.id] = (kind, dev)
-        return b""  # NIXL's agent metadata (export) carries every region's keys
+        # NIXL's agent metadata (export) carries every region's keys; the blob carries the
+        # device index of device memory, for the peer's descriptors
+        return region_blob(kind, dev)
 
     def deregister(self, region: LocalRegion) -> None:
         descs = self._regs.pop(region.id, None)
@@ -265,13 +270,17 @@ class NixlBackend(Backend):
                                    "split this transfer by region kind")
         return first
 
-    def _remote_kind(self, conn: Conn, regions: np.ndarray) -> str:
+    def _remote_kind(self, conn: Conn, regions: np.ndarray) -> tuple[str, int]:
+        """NIXL memory type and device index of the peer's side (one of each per transfer)."""
         if conn.all_cpu:
-            return "DRAM"
-        kinds = {conn.remote_kinds.get(int(r), "cpu") for r in np.unique(regions)}
-        if len(kinds) != 1 or next(iter(kinds)) not in _KINDS:
-            raise KVTransportError(f"remote segments span memory kinds {sorted(kinds)}; NIXL moves one per side")
-        return _KINDS[kinds.pop()]
+            return "DRAM", 0
+        used = np.unique(regions)
+        kinds = {(conn.remote_kinds.get(int(r), "cpu"), conn.remote_devs.get(int(r), 0)) for r in used}
+        if len(kinds) != 1 or next(iter(kinds))[0] not in _KINDS:
+            raise KVTransportError(f"remote segments span memory kinds / devices {sorted(kinds)}; NIXL moves "
+                                   "one per side")
+        kind, dev = kinds.pop()
+        return _KINDS[kind], dev
 
     def _drain_stuck(self) -> None:
         for x in list(self._stuck):
@@ -291,10 +300,10 @@ class NixlBackend(Backend):
         handle, entry = self._reuse.take(req, conn)  # a finished request of this preparation
         if handle is None:
             kind, dev = self._local_kind(req.local_region)
-            rkind = self._remote_kind(conn, req.remote_region)
+            rkind, rdev = self._remote_kind(conn, req.remote_region)
             try:
                 local = self._descs(req.local_addr, req.length, kind, dev)
-                remote = self._descs(req.remote_addr, req.length, rkind, 0)
+                remote = self._descs(req.remote_addr, req.length, rkind, rdev)
                 handle = self._nx.initialize_xfer("READ" if req.op is Op.READ else "WRITE", local, remote,
                                                   conn.nixl_name, notif)
             except Exception as exc:

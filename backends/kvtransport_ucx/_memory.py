@@ -1,5 +1,16 @@
 """Local memory registration: ``ucp_mem_map`` handles, packed remote keys, and the
-per-region operation parameters the data path posts with."""
+per-region operation parameters the data path posts with.
+
+Device memory: a ``cuda`` region is mapped as ``UCS_MEMORY_TYPE_CUDA`` and a ``rocm`` one
+as ``UCS_MEMORY_TYPE_ROCM``, and every put/get on it carries that memory type, so UCX
+moves it with its device transports (cuda_copy, cuda_ipc, GPUDirect RDMA / rocm_copy,
+rocm_ipc) and never treats it as host memory. Whether the loaded UCX can is asked of the
+context (``ucp_context_query``, ``memory_types``): UCX only loads its CUDA modules where
+the CUDA driver is present, so a kind the context lacks is refused at ``register``, before
+``ucp_mem_map`` sees the address, with the reason and the alternatives. The backend has no
+CPU data path of its own (no memmove, no numpy view of registered memory): bytes only move
+inside UCX.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +21,46 @@ from typing import Any
 
 import numpy as np
 
+from kvtransport.errors import UnsupportedMemoryKindError
 from kvtransport.spi import LocalRegion
 
 from . import _ucp as U
 from ._worker import UcpWorker
+
+
+#: memory kind -> the UCS memory type it is mapped and posted as
+MEMORY_TYPES = {"cpu": U.UCS_MEMORY_TYPE_HOST, "cuda": U.UCS_MEMORY_TYPE_CUDA, "rocm": U.UCS_MEMORY_TYPE_ROCM}
+
+_HOW = {
+    "cuda": "UCX loads its CUDA transports (libuct_cuda: cuda_copy, cuda_ipc) only where the CUDA driver "
+            "(libcuda.so) is present: run on a host with an NVIDIA GPU and driver, with the libucx-cu12 wheel "
+            "or a system UCX built --with-cuda (`ucx_info -d | grep cuda` lists them)",
+    "rocm": "the loaded UCX has no ROCm transports (the libucx-cu12 wheel is built without them): use a system "
+            "UCX built --with-rocm (RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true), or the moriio backend",
+}
+
+
+class UcxMemoryKindUnavailable(UnsupportedMemoryKindError):
+    """The ucx backend can move this kind on suitable hosts, but the UCX loaded here cannot."""
+
+    def __init__(self, kind: str, context_types: list[str], alternatives: list[str]) -> None:
+        super().__init__("ucx", kind, [k for k, t in MEMORY_TYPES.items()
+                                       if U.UCS_MEMORY_TYPE_NAMES[t] in context_types], alternatives)
+        self.args = (f"{self.args[0]}. Why: this UCX context moves only {context_types} memory; "
+                     f"{_HOW.get(kind, '')}. Or keep the KV cache on the device and stage it through host "
+                     "memory (vLLM connector: kv_buffer_device 'cpu').",)
+
+
+def context_memory_types(ucp: Any, context: Any) -> int:
+    """Bit mask of the UCS memory types the context can move (``ucp_context_query``)."""
+    attr = U.ucp_context_attr_t()
+    attr.field_mask = U.UCP_ATTR_FIELD_MEMORY_TYPES
+    U.check(ucp.ucp_context_query(context, byref(attr)), "ucp_context_query")
+    return int(attr.memory_types)
+
+
+def type_names(mask: int) -> list[str]:
+    return [n for i, n in enumerate(U.UCS_MEMORY_TYPE_NAMES) if mask & (1 << i)]
 
 
 class LocalMemory:
@@ -26,15 +73,36 @@ class LocalMemory:
         #: Per region: operation parameters carrying its memory handle, so UCX skips the
         #: registration-cache lookup of the local buffer on every put/get.
         self.rparams: dict[int, U.ucp_request_param_t] = {}
+        #: UCS memory types the context moves (asked once, at the first register)
+        self._context_types: int | None = None
+
+    def memory_type(self, region: LocalRegion) -> int:
+        """The UCS memory type to map ``region`` as; refuses a kind this UCX cannot move,
+        before any UCX call sees the address."""
+        mtype = MEMORY_TYPES.get(region.kind)
+        if mtype is None:  # the core only passes declared kinds; defensive
+            raise UnsupportedMemoryKindError("ucx", region.kind, sorted(MEMORY_TYPES), [])
+        if mtype == U.UCS_MEMORY_TYPE_HOST:
+            return mtype
+        if self._context_types is None:
+            with self._w.lock:
+                self._context_types = context_memory_types(self._ucp, self._w.context)
+        if not self._context_types & (1 << mtype):
+            from kvtransport.registry import backends_for_memory_kind  # error path only
+
+            others = [b for b in backends_for_memory_kind(region.kind) if b.split(" ")[0] != "ucx"]
+            raise UcxMemoryKindUnavailable(region.kind, type_names(self._context_types), others)
+        return mtype
 
     def register(self, region: LocalRegion) -> bytes:
         """Map the region and return its packed remote key (the region's metadata blob)."""
+        mtype = self.memory_type(region)
         p = U.ucp_mem_map_params_t()
         p.field_mask = (U.UCP_MEM_MAP_PARAM_FIELD_ADDRESS | U.UCP_MEM_MAP_PARAM_FIELD_LENGTH
                         | U.UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE)
         p.address = region.addr
         p.length = region.length
-        p.memory_type = U.UCS_MEMORY_TYPE_HOST
+        p.memory_type = mtype
         memh, buf, size = c_void_p(), c_void_p(), c_size_t()
         with self._w.lock:
             U.check(self._ucp.ucp_mem_map(self._w.context, byref(p), byref(memh)), "ucp_mem_map")
@@ -48,6 +116,9 @@ class LocalMemory:
             rp = U.ucp_request_param_t()
             rp.op_attr_mask = U.UCP_OP_ATTR_FIELD_MEMH
             rp.memh = memh.value
+            if mtype != U.UCS_MEMORY_TYPE_HOST:  # device memory: say so on every put/get
+                rp.op_attr_mask |= U.UCP_OP_ATTR_FIELD_MEMORY_TYPE
+                rp.memory_type = mtype
             self.rparams[region.id] = rp
         return blob
 

@@ -80,7 +80,17 @@ UCP_MEM_MAP_PARAM_FIELD_LENGTH = 1 << 1
 UCP_MEM_MAP_PARAM_FIELD_FLAGS = 1 << 2
 UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE = 1 << 4
 
+# ucs_memory_type_t (ucs/memory/memory_type.h): what ucp_mem_map and put/get are told the
+# memory is, so UCX picks cuda_copy / cuda_ipc / GPUDirect (or rocm_*) instead of CPU copies.
 UCS_MEMORY_TYPE_HOST = 0
+UCS_MEMORY_TYPE_CUDA = 1
+UCS_MEMORY_TYPE_CUDA_MANAGED = 2
+UCS_MEMORY_TYPE_ROCM = 3
+UCS_MEMORY_TYPE_ROCM_MANAGED = 4
+UCS_MEMORY_TYPE_NAMES = ("host", "cuda", "cuda-managed", "rocm", "rocm-managed", "rdma", "ze-host",
+                         "ze-device", "ze-managed", "gaudi")
+
+UCP_ATTR_FIELD_MEMORY_TYPES = 1 << 2  # ucp_context_attr_t.memory_types: types this context moves
 
 UCP_AM_HANDLER_PARAM_FIELD_ID = 1 << 0
 UCP_AM_HANDLER_PARAM_FIELD_FLAGS = 1 << 1
@@ -179,6 +189,17 @@ class ucp_mem_map_params_t(Structure):
     ]
 
 
+class ucp_context_attr_t(Structure):
+    _fields_ = [
+        ("field_mask", c_uint64),
+        ("request_size", c_size_t),
+        ("thread_mode", c_int),
+        ("memory_types", c_uint64),
+        ("name", ctypes.c_char * 32),  # UCP_ENTITY_NAME_MAX
+        ("device_counter_size", c_size_t),
+    ]
+
+
 class ucp_request_param_t(Structure):
     _fields_ = [
         ("op_attr_mask", c_uint32),
@@ -222,6 +243,7 @@ LAYOUT = {
     "ucp_worker_params_t": ucp_worker_params_t,
     "ucp_ep_params_t": ucp_ep_params_t,
     "ucp_mem_map_params_t": ucp_mem_map_params_t,
+    "ucp_context_attr_t": ucp_context_attr_t,
     "ucp_request_param_t": ucp_request_param_t,
     "ucp_am_recv_param_t": ucp_am_recv_param_t,
     "ucp_am_handler_param_t": ucp_am_handler_param_t,
@@ -281,6 +303,7 @@ class Lib:
         _prototype(ucp, "ucp_ep_create", c_int, c_void_p, P(ucp_ep_params_t), P(c_void_p))
         _prototype(ucp, "ucp_ep_close_nbx", c_void_p, c_void_p, P(ucp_request_param_t))
         _prototype(ucp, "ucp_ep_flush_nbx", c_void_p, c_void_p, P(ucp_request_param_t))
+        _prototype(ucp, "ucp_context_query", c_int, c_void_p, P(ucp_context_attr_t))
         _prototype(ucp, "ucp_mem_map", c_int, c_void_p, P(ucp_mem_map_params_t), P(c_void_p))
         _prototype(ucp, "ucp_mem_unmap", c_int, c_void_p, c_void_p)
         _prototype(ucp, "ucp_rkey_pack", c_int, c_void_p, c_void_p, P(c_void_p), P(c_size_t))

@@ -50,7 +50,9 @@ class UcxBackend(Backend):
         read=True,
         write=True,
         notify=True,
-        memory_kinds=frozenset({"cpu"}),
+        # cuda / rocm where the loaded UCX has the device transports; refused with the
+        # reason at register where it has not (_memory.LocalMemory.memory_type)
+        memory_kinds=frozenset({"cpu", "cuda", "rocm"}),
         scopes=frozenset({Scope.SAME_PROCESS, Scope.SAME_HOST, Scope.CROSS_HOST}),
         detects_peer_failure=True,
     )

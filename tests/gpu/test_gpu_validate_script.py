@@ -46,7 +46,7 @@ def test_without_cuda_exits_2_with_one_line_reason():
 
 def test_cpu_self_test_moves_and_verifies_over_ucx_and_nixl():
     out = _run("--memory", "cpu", "--backends", "ucx,nixl", "--sizes-mib", "1,4", "--scatter", "64x16384",
-               "--region-mib", "8", "--iters", "1")
+               "--region-mib", "8", "--iters", "1", "--paths", "direct")
     assert out.returncode == 0, f"{out.stdout}\n{out.stderr}"
     assert "validates NO device memory" in out.stdout
     for backend in ("ucx", "nixl"):
@@ -54,6 +54,21 @@ def test_cpu_self_test_moves_and_verifies_over_ucx_and_nixl():
             for case in ("1 MiB contiguous", "4 MiB contiguous", "64 x 16 KiB scattered"):
                 assert f"PASS  {backend}: {op} {case} byte-exact" in out.stdout, out.stdout
     assert "14 passed, 0 failed" in out.stdout
+
+
+def test_cpu_self_test_of_the_staged_path_over_ucx_and_nixl():
+    """The staged rows (connector host staging's own copy code, HostStaging) by default next
+    to the direct ones; on CPU buffers the 'device' copies are host-to-host but real: the
+    mirrors are zeroed before each case, so a missing copy is a wrong byte."""
+    out = _run("--memory", "cpu", "--backends", "ucx,nixl", "--sizes-mib", "1,4", "--scatter", "64x16384",
+               "--region-mib", "8", "--iters", "1")
+    assert out.returncode == 0, f"{out.stdout}\n{out.stderr}"
+    for backend in ("ucx+staged", "nixl+staged"):
+        assert f"PASS  {backend}: server registers cpu memory (staged through a host mirror)" in out.stdout
+        for op in ("READ", "WRITE"):
+            for case in ("1 MiB contiguous", "4 MiB contiguous", "64 x 16 KiB scattered"):
+                assert f"PASS  {backend}: {op} {case} byte-exact" in out.stdout, out.stdout
+    assert "28 passed, 0 failed" in out.stdout
 
 
 def test_a_backend_that_cannot_be_opened_fails_the_run():

@@ -31,12 +31,14 @@ from kvtransport_vllm.config import ConnectorConfig  # noqa: E402
 from kvtransport_vllm.kv_layout import describe_kv_caches  # noqa: E402
 from kvtransport_vllm.worker import KVTransportWorker  # noqa: E402
 
-# Declared memory kinds of every shipped backend (issue 16, point 2, as built today: ucx
-# and nixl do not yet declare device memory, see docs/GPU.md).
+# Declared memory kinds of every shipped backend class (issue 16, point 2): what each can move
+# on a suitable host. An agent may narrow it to what this host offers (nixl without a GPU:
+# cpu only), or refuse with the reason at register (ucx whose UCX lacks CUDA / ROCm
+# transports): tests/gpu/test_device_memory_types.py.
 EXPECTED_KINDS = {
     "loopback": {"cpu"},
-    "ucx": {"cpu"},
-    "nixl": {"cpu"},
+    "ucx": {"cpu", "cuda", "rocm"},
+    "nixl": {"cpu", "cuda"},
     "mooncake": {"cpu"},
     "moriio": {"cpu", "cuda", "rocm"},
 }

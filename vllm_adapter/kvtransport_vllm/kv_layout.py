@@ -11,14 +11,15 @@ block is refused with a message instead of guessed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 import kvtransport as kvt
 from kvtransport.memory import tensor_memory_kind
 
-from .messages import LayoutInfo
+if TYPE_CHECKING:  # .messages imports vLLM; this module (and .staging) must import without it
+    from .messages import LayoutInfo
 
 __all__ = ["KVLayoutError", "LayerMem", "describe_kv_caches", "check_uniform", "remote_layouts", "block_segments"]
 
@@ -39,6 +40,7 @@ class LayerMem:
     block_stride: int
     kind: str = "cpu"  # memory kind the agent registers it as: "cpu", "cuda" or "rocm"
     device: int = -1  # device index for device memory, -1 for CPU memory
+    block_dim: int = 0  # the tensor dimension that indexes blocks (host staging copies along it)
 
 
 def describe_kv_caches(kv_caches: dict[str, Any], num_blocks: int) -> list[LayerMem]:
@@ -74,7 +76,7 @@ def describe_kv_caches(kv_caches: dict[str, Any], num_blocks: int) -> list[Layer
         span = 1 + sum((n - 1) * st for n, st in zip(sizes, strides))
         kind, device = tensor_memory_kind(t)  # a GPU cache is registered as GPU memory
         out.append(LayerMem(t, int(t.data_ptr()), span * item, bases, per_block * item, strides[bd] * item,
-                            kind, device))
+                            kind, device, bd))
     return out
 
 

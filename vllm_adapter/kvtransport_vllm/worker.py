@@ -12,7 +12,10 @@ answers peers; it only touches the lock-protected tables, never the agent.
   wait-for-written or cancel-until-acked);
 * :mod:`.producer` — per finished prefill, the hold under a lease and the WRITE;
 * :mod:`.handlers` — one side-channel handler per message type;
-* :mod:`.context` — what they share: configuration, agent, stats, the one lock.
+* :mod:`.context` — what they share: configuration, agent, stats, the one lock;
+* :mod:`.staging` — the two device ordering points (and host staging): KV complete on
+  the device before holds and writes (:meth:`on_metadata`), received blocks in the device
+  cache before loads are reported (:meth:`get_finished`). docs/LIFECYCLE.md section 6.
 
 Invariants kept here (docs/RELIABILITY.md): every request id reaches ``get_finished``
 at most once and only while vLLM tracks it (R3); a hold whose write may be in flight
@@ -29,7 +32,7 @@ from typing import Any
 
 import kvtransport as kvt
 
-from .config import ConnectorConfig
+from .config import ConnectorConfig, ConnectorConfigError
 from .consumer import Consumer, Recv
 from .context import WorkerContext, new_stats
 from .handlers import SideChannelHandlers
@@ -37,6 +40,7 @@ from .kv_layout import KVLayoutError, check_uniform, describe_kv_caches
 from .messages import Aborted, KVTransportMetadata, LayoutInfo, Msg, PeerNotice, Release, Renew
 from .producer import Hold, Producer
 from .side_channel import SideChannelServer
+from .staging import HostKV, HostStaging, KVDevice, make_kv_device
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +79,10 @@ class KVTransportWorker:
         self._in_flight_reported = (0, 0)
         #: totals of side-channel sockets already closed (shutdown), so totals never go down
         self._side_channel_closed = _side_channel_zero()
+        #: device ordering / host staging policy, set when the KV caches are registered
+        self.kv_device: KVDevice = HostKV()
+        #: staged loads not yet reported: req id -> the blocks to copy into the device cache
+        self._staged_loads: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------------ shared state
     # (read by tests and the soak harness: the tables are the state machines' own)
@@ -110,7 +118,10 @@ class KVTransportWorker:
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         layers = describe_kv_caches(kv_caches, self.num_blocks)
         check_uniform(layers)
+        self._check_staging_mode()
         self._kv_caches = kv_caches  # keep tensors alive while registered
+        self.kv_device = make_kv_device(layers, self.cfg.kv_buffer_device)
+        layers = self.kv_device.registered(layers)  # staged: the host mirror, not the cache
         opts = dict(self.cfg.backend_options)
         opts.setdefault("default_timeout_s", self.cfg.transfer_timeout_s)
         opts["name"] = self.name
@@ -154,8 +165,23 @@ class KVTransportWorker:
             ctx.agent.close()
             ctx.agent = None
             raise
-        log.info("kvtransport worker %s: %d layers, %s backend, side channel %s:%d",
-                 self.name, len(layers), self.cfg.backend, self.cfg.side_channel_host, self.port)
+        log.info("kvtransport worker %s: %d layers, %s backend, side channel %s:%d, KV memory: %s",
+                 self.name, len(layers), self.cfg.backend, self.cfg.side_channel_host, self.port,
+                 self.kv_device.describe())
+
+    def _check_staging_mode(self) -> None:
+        """Host staging on a READ-mode producer is refused: the consumer may read our host
+        buffer as soon as the scheduler has returned kv_transfer_params, which can be
+        before this worker learns of the hold and copies the blocks into that buffer, so a
+        read could return another request's bytes. (A READ consumer and both WRITE sides
+        stage safely: they copy before the transport can touch those host blocks.)"""
+        if self.cfg.kv_buffer_device == "cpu" and self.cfg.is_producer and self.cfg.mode == "read":
+            raise ConnectorConfigError(
+                f"KVTransportConnector: kv_buffer_device 'cpu' (host staging) is not supported on a producer "
+                f"(kv_role {self.cfg.kv_role!r}) in mode 'read': the consumer could read the host buffer before "
+                "the blocks are copied into it. Use mode 'write' on both engines, or kv_buffer_device 'auto' on "
+                "the producer with a backend that moves its KV memory directly (docs/GPU.md)."
+            )
 
     def shutdown(self) -> None:
         self._side_channel_closed = self._side_channel_totals()
@@ -177,6 +203,14 @@ class KVTransportWorker:
         """Take this step's new work from the scheduler half."""
         if meta is None:
             return
+        if meta.hold:
+            # Ordering point 1 (LIFECYCLE.md section 6): the KV of these blocks is complete
+            # (and, staged, in the host buffer) before any hold is offered or written.
+            self.kv_device.before_send([b for j in meta.hold for b in j.block_ids])
+        if isinstance(self.kv_device, HostStaging):
+            for job in meta.recv:
+                if not job.refused:
+                    self._staged_loads.setdefault(job.req_id, list(job.local_block_ids))
         now = time.monotonic()
         with self.ctx.lock:
             self.consumer.add(meta.recv, now)
@@ -201,8 +235,28 @@ class KVTransportWorker:
         with self.ctx.lock:
             sending, self.producer.done_sending = self.producer.done_sending, set()
             recving, self.consumer.done_recving = self.consumer.done_recving, set()
-            self.consumer.report(recving, time.monotonic())
+            staged = bool(self._staged_loads)  # host staging only; nothing to do otherwise
+            failed = self.consumer.failed_recving & recving if staged else set()
+        if staged:
+            self._copy_staged_loads(recving, failed, finished_req_ids)
+        if recving:
+            with self.ctx.lock:  # after any staging copy: "report" ends when vLLM is told
+                self.consumer.report(recving, time.monotonic())
         return (sending or None), (recving or None)
+
+    def _copy_staged_loads(self, recving: set[str], failed: set[str], finished_req_ids: set[str]) -> None:
+        """Ordering point 2 (LIFECYCLE.md section 6): loads reported now were received in
+        the host buffer; copy their blocks into the device cache before vLLM learns they
+        are done. Failed loads are not copied (vLLM recomputes those blocks), nor are
+        requests vLLM has finished (aborted): their blocks may already be someone else's."""
+        for rid in finished_req_ids:
+            self._staged_loads.pop(rid, None)
+        ids: list[int] = []
+        for rid in recving:
+            blocks = self._staged_loads.pop(rid, None)
+            if blocks is not None and rid not in failed:
+                ids += blocks
+        self.kv_device.after_receive(ids)
 
     def take_failed_recving(self) -> set[str]:
         with self.ctx.lock:
