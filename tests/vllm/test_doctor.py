@@ -170,3 +170,12 @@ def test_probe_write_cannot_pose_as_a_real_peer(pairs):
     assert isinstance(reply, ProbeResult) and reply.state == "refused"
     assert "is not a doctor agent" in reply.detail
     assert cw.name not in pair.P.worker._worker.agent.peers
+
+
+def test_block_the_engine_does_not_have_is_named(pairs):
+    pair = pairs("read")
+    v = run_doctor(_addr(pair.P), _addr(pair.C), SECRET, block_id=10**6, timeout_s=20.0)
+    assert v.exit_code == 1
+    read = [f for f in v.problems if f.check == "read"]
+    assert {f.subject for f in read} == {"prefill rank 0", "decode rank 0"}, v.render()
+    assert all(f"has no block {10**6}" in f.message and "--block below" in f.fix for f in read)

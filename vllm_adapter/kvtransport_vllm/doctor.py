@@ -279,11 +279,17 @@ def _move_block(v: Verdict, who: str, host: str, port: int, info: ProbeInfo, aut
         region = agent.register(scratch)
         try:
             peer = agent.connect(info.agent_md)
-            remote = block_segments(remote_layouts(peer, info.layout), [block_id])
+            layouts = remote_layouts(peer, info.layout)
         except kvt.errors.KVTransportError as exc:
             v.add("backend", who, False, f"the doctor's {info.backend} agent cannot use {info.engine_id}'s: {exc}",
                   FIX_BACKEND_HERE)
             return
+        have = min(lay.num_blocks for lay in layouts)
+        if block_id >= have:
+            v.add("read", who, False, f"{info.engine_id} has no block {block_id} (it has {have})",
+                  f"pass --block below {have}")
+            return
+        remote = block_segments(layouts, [block_id])
         local = region.segments(_packed_offsets(remote.length), remote.length)
         st = agent.read(peer, local, remote, timeout=timeout_s).wait()
         if st.state is not kvt.State.DONE:

@@ -156,6 +156,8 @@ class DoctorProbes:
         ctx = self.ctx
         if ctx.agent is None:
             return ProbeResult(state="refused", detail=f"{ctx.name} has no open agent")
+        if min(msg.block_id, msg.region_id, msg.offset) < 0:
+            return ProbeResult(state="refused", detail="block_id, region_id and offset must be >= 0")
         try:
             name = decode_metadata(msg.agent_md).agent
         except kvt.errors.KVTransportError as exc:
@@ -174,7 +176,7 @@ class DoctorProbes:
                 starts = np.concatenate([[0], np.cumsum(local.length)[:-1]]).astype(np.uint64)
                 remote = kvt.Segments(msg.region_id, np.uint64(msg.offset) + starts, local.length)
                 write = ctx.agent.write(peer, local, remote, timeout=ctx.cfg.transfer_timeout_s)
-            except (kvt.errors.KVTransportError, ValueError, IndexError) as exc:
+            except (kvt.errors.KVTransportError, ValueError, IndexError, OverflowError) as exc:
                 if peer is not None:
                     ctx.agent.disconnect(peer)
                 return ProbeResult(state="failed", detail=f"{type(exc).__name__}: {exc}")
