@@ -107,6 +107,10 @@ def test_wrong_secret_is_named_with_its_fix(pairs, tmp_path, capsys, monkeypatch
     auth = [f for f in v.problems if f.check == "auth"]
     assert {f.subject for f in auth} == {"prefill rank 0", "decode rank 0"}, v.render()
     assert all("wrong secret" in f.message and f.fix == FIX_SECRET for f in auth)
+    # no secret at all on the doctor's side (KVTRANSPORT_AUTH=off): the engines require one
+    v = run_doctor(_addr(pair.P), _addr(pair.C), None, timeout_s=20.0)
+    auth = [f for f in v.problems if f.check == "auth"]
+    assert len(auth) == 2 and all("requires sealed messages" in f.message and f.fix == FIX_SECRET for f in auth)
     # through the command line, with the secret from a file
     wrong = tmp_path / "secret"
     wrong.write_text("not-the-cluster-secret-at-all\n")
@@ -179,3 +183,15 @@ def test_block_the_engine_does_not_have_is_named(pairs):
     read = [f for f in v.problems if f.check == "read"]
     assert {f.subject for f in read} == {"prefill rank 0", "decode rank 0"}, v.render()
     assert all(f"has no block {10**6}" in f.message and "--block below" in f.fix for f in read)
+
+
+def test_engine_without_authentication_is_named(pairs):
+    """The engines run with side_channel_auth off, the doctor seals: named, with both fixes."""
+    pair = pairs("read", p_extra={"side_channel_auth": "off"}, c_extra={"side_channel_auth": "off"})
+    v = run_doctor(_addr(pair.P), _addr(pair.C), SECRET, timeout_s=20.0)
+    assert v.exit_code == 1
+    auth = [f for f in v.problems if f.check == "auth"]
+    assert {f.subject for f in auth} == {"prefill rank 0", "decode rank 0"}, v.render()
+    assert all("side_channel_auth off" in f.message and "KVTRANSPORT_AUTH=off" in f.fix for f in auth)
+    # and with authentication off on the doctor's side too, the pair is healthy
+    assert run_doctor(_addr(pair.P), _addr(pair.C), None, timeout_s=20.0).healthy

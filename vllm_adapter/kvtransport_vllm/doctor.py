@@ -203,9 +203,21 @@ def _probe(v: Verdict, who: str, host: str, port: int, auth: Authenticator | Non
         v.add("side_channel", who, True, f"{host}:{port} is {reply.engine_id} ({reply.kv_role}, {reply.mode} mode, "
               f"{reply.backend} backend); authenticated")
         return reply
-    if client.refusal or (isinstance(reply, Error) and reply.code == "auth"):
-        said = client.refusal or f"{reply.code}: {reply.message[:300]}"  # type: ignore[union-attr]
+    # an unsealed refusal (client.refusal), or a plain Error when the doctor seals nothing
+    said = client.refusal or (f"{reply.code}: {reply.message[:300]}" if isinstance(reply, Error) else "")
+    code = said.split(":", 1)[0]
+    if code == "auth" and auth is None:
+        v.add("auth", who, False, f"{host}:{port} requires sealed messages and the doctor runs with "
+              f"KVTRANSPORT_AUTH=off ({said})", FIX_SECRET)
+    elif code == "auth":
         v.add("auth", who, False, f"wrong secret: {host}:{port} refused the doctor's request ({said})", FIX_SECRET)
+    elif code == "malformed" and client.refusal:
+        v.add("auth", who, False, f"{host}:{port} could not read the doctor's sealed request: the engine runs "
+              f"with side_channel_auth off ({said})", "turn authentication on for every engine (a cluster secret; "
+              "recommended), or run the doctor with KVTRANSPORT_AUTH=off")
+    elif code == "version":
+        v.add("side_channel", who, False, f"{host}:{port} speaks another side-channel protocol version ({said})",
+              "run the same kvtransport release on the engines and the doctor")
     elif isinstance(reply, Error) and reply.code == "unexpected":
         v.add("side_channel", who, False, f"{host}:{port} runs a kvtransport without the doctor's messages",
               "upgrade both engines to this kvtransport release")
