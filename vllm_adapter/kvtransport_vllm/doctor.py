@@ -170,6 +170,8 @@ class _DoctorClient(SideChannelClient):
             for reply in self.poll():
                 if reply.cid == cid:
                     return reply
+                if isinstance(reply, Error) and reply.cid == 0:  # a refusal of a request it could not read
+                    self.refusal = f"{reply.code}: {reply.message[:300]}"
             if self.refusal:
                 return None
             time.sleep(0.005)
