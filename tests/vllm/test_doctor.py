@@ -6,7 +6,9 @@ engines: sealed side channel, its own loopback agent, one block moved both ways.
 a healthy pair is called healthy and the block the doctor got is the engine's block;
 a wrong secret, a closed port, a layout mismatch and an unusable backend are each named
 with their fix; exit codes; the engines' KV caches are never written and they still
-serve a load afterwards; a probe cannot pose as one of an engine's real peers.
+serve a load afterwards; a probe cannot pose as one of an engine's real peers; with TP 2
+every rank is checked (workers built directly on real K/V-split tensors), and a TP size
+mismatch is named.
 """
 
 from __future__ import annotations
@@ -195,3 +197,57 @@ def test_engine_without_authentication_is_named(pairs):
     assert all("side_channel_auth off" in f.message and "KVTRANSPORT_AUTH=off" in f.fix for f in auth)
     # and with authentication off on the doctor's side too, the pair is healthy
     assert run_doctor(_addr(pair.P), _addr(pair.C), None, timeout_s=20.0).healthy
+
+
+# ----------------------------------------------------------------------------- TP > 1
+def _tp_engine(role: str, tp_size: int, ranks: int, seed: int):
+    """``ranks`` real connector workers of one engine (TP size ``tp_size``), each with its
+    own K/V-split CPU cache of distinct bytes, listening on base port + rank."""
+    from kvtransport_vllm.config import ConnectorConfig
+    from kvtransport_vllm.worker import KVTransportWorker
+
+    base = free_port_base(4)
+    cfg = ConnectorConfig.from_extra(role, f"{role}-tp", {"side_channel_host": "127.0.0.1", "side_channel_port": base})
+    gen = torch.Generator().manual_seed(seed)
+    workers = []
+    for r in range(ranks):
+        w = KVTransportWorker(cfg, 16, 8, "float32", tp_rank=r, tp_size=tp_size)
+        w.register_kv_caches({f"l{i}": torch.rand((2, 8, 16, 2, 32), generator=gen) for i in range(2)})
+        workers.append(w)
+    return base, workers
+
+
+def _tp_block(w, block_id: int) -> bytes:
+    """One rank's block as the layout orders it: per layer, the K part then the V part."""
+    return b"".join(t[part, block_id].contiguous().numpy().tobytes()
+                    for t in w._kv_caches.values() for part in (0, 1))
+
+
+def test_every_tp_rank_is_checked():
+    pre_base, pre = _tp_engine("kv_producer", 2, 2, 1)
+    dec_base, dec = _tp_engine("kv_consumer", 2, 2, 2)
+    try:
+        v = run_doctor(("127.0.0.1", pre_base), ("127.0.0.1", dec_base), SECRET, block_id=3, timeout_s=20.0)
+        assert v.healthy, v.render()
+        for r in (0, 1):
+            assert v.moved[f"prefill rank {r}"] == _tp_block(pre[r], 3)
+            assert v.moved[f"decode rank {r}"] == _tp_block(dec[r], 3)
+        assert v.moved["prefill rank 0"] != v.moved["prefill rank 1"]  # each rank's own cache
+    finally:
+        for w in pre + dec:
+            w.shutdown()
+
+
+def test_tp_size_mismatch_is_named_and_the_missing_rank_too():
+    pre_base, pre = _tp_engine("kv_producer", 2, 2, 1)
+    dec_base, dec = _tp_engine("kv_consumer", 1, 1, 2)
+    try:
+        v = run_doctor(("127.0.0.1", pre_base), ("127.0.0.1", dec_base), SECRET, timeout_s=20.0)
+        assert v.exit_code == 1
+        [layout] = [f for f in v.problems if f.check == "layout"]
+        assert "tp_size: prefill 2 vs decode 1" in layout.message and layout.fix == FIX_LAYOUT
+        [reach] = [f for f in v.problems if f.check == "reach"]
+        assert reach.subject == "decode rank 1" and f"{dec_base + 1}" in reach.message
+    finally:
+        for w in pre + dec:
+            w.shutdown()
