@@ -37,7 +37,6 @@ import secrets
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,7 +158,7 @@ def test_two_hosts_tokens_doctor_and_link_cut(hosts, tiny_model, log_dir, baseli
     _LIVE.extend(procs)
     try:
         took = harness.start_all(procs)
-        print(f"\n[e2e] two hosts: healthy after " + ", ".join(f"{k} {v:.1f}s" for k, v in took.items()))
+        print("\n[e2e] two hosts: healthy after " + ", ".join(f"{k} {v:.1f}s" for k, v in took.items()))
         client = prompts.client(proxy.url)
         correct = prompts.correctness_prompts(vocab_size, seed)
         long_prompt = correct[-1]  # 20 blocks: kept for the cut, never sent before it
