@@ -1,8 +1,10 @@
-"""``kvtransport`` command line: ``backends`` (what is installed and usable here) and
-``bench`` (the main job: prefill and decode processes moving a paged KV cache).
+"""``kvtransport`` command line: ``backends`` (what is installed and usable here),
+``bench`` (the main job: prefill and decode processes moving a paged KV cache) and
+``doctor`` (can this prefill / decode pair of vLLM engines move KV, and if not, why).
 
-The bench job is its own package (``kvtransport_bench``), imported only when ``bench``
-runs: the core library does not carry it."""
+The bench job is its own package (``kvtransport_bench``) and the doctor lives in the vLLM
+connector (``kvtransport_vllm.doctor``, it speaks the connector's side channel); each is
+imported only when its command runs: the core library does not carry them."""
 
 from __future__ import annotations
 
@@ -95,6 +97,22 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    return _doctor(args.doctor_args)
+
+
+def _doctor(argv: list[str]) -> int:
+    """Hand every argument to the doctor's own parser (so ``doctor --help`` is its help)."""
+    try:
+        from kvtransport_vllm.doctor import main as doctor_main
+    except ImportError as exc:
+        print(f"kvtransport: error: `kvtransport doctor` needs the vLLM connector (kvtransport_vllm) and vLLM "
+              f"on this host ({exc}); run it on an engine host, or install vLLM and kvtransport[vllm]",
+              file=sys.stderr)
+        return 2
+    return doctor_main(argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvtransport", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -116,10 +134,18 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--plot", metavar="FILE.png", default=None,
                     help="also draw throughput and latency to this PNG (needs the 'plot' extra: matplotlib)")
     be.set_defaults(func=_cmd_bench)
+    do = sub.add_parser("doctor", add_help=False,
+                        help="check a prefill / decode pair: reach, secret, layouts, a block moved both ways "
+                             "(`kvtransport doctor --help`)")
+    do.add_argument("doctor_args", nargs=argparse.REMAINDER)
+    do.set_defaults(func=_cmd_doctor)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["doctor"]:
+        return _doctor(argv[1:])
     args = build_parser().parse_args(argv)
     from .errors import KVTransportError
 

@@ -6,13 +6,15 @@ clear start-up error that names the key and the accepted ones, never a silent de
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtransport.auth import AUTH_OFF, AuthConfigError, Authenticator, load_secret
 
-__all__ = ["ConnectorConfig", "ConnectorConfigError", "EXTRA_CONFIG_KEYS", "AUTH_CHANNEL"]
+__all__ = ["ConnectorConfig", "ConnectorConfigError", "EXTRA_CONFIG_KEYS", "AUTH_CHANNEL", "routable_host"]
 
 #: Channel name bound into every side-channel MAC (a sealed message of another
 #: kvtransport channel, e.g. the bench job, is refused here).
@@ -28,7 +30,8 @@ EXTRA_CONFIG_KEYS: dict[str, str] = {
     "backend": "kvtransport backend name (loopback, ucx, moriio or any installed entry point)",
     "mode": "read (decode pulls) or write (prefill pushes)",
     "backend_options": "dict of options passed to kvtransport.open() for the backend",
-    "side_channel_host": "address this engine advertises for its side channel",
+    "side_channel_host": "address this engine advertises for its side channel (default: $VLLM_HOST_IP, else the "
+    "address of the default route's interface; start-up fails when neither exists on a networked host)",
     "side_channel_port": "base TCP port of the side channel; TP rank r listens on port + r",
     "transfer_timeout_s": "a remote load ends (done or failed) within this many seconds",
     "lease_s": "producer keeps finished blocks this long without consumer progress",
@@ -46,8 +49,74 @@ _POLICIES = ("recompute", "fail")
 _BUFFER_DEVICES = ("auto", "cpu")
 
 
-def _default_host() -> str:
-    return os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
+#: Where the routing probe "sends": connect() on a datagram socket sends no packet, it only
+#: makes the kernel pick the source address its routing table would use for that
+#: destination, i.e. the address of the interface behind the default route (the way
+#: vLLM's get_ip() finds the address peers reach it at). IPv4 first, then IPv6.
+_ROUTE_PROBES = ((socket.AF_INET, ("8.8.8.8", 80)), (socket.AF_INET6, ("2001:4860:4860::8888", 80)))
+
+_NO_ROUTE = (
+    "KVTransportConnector: cannot pick the address peers should reach this engine's side "
+    "channel at: VLLM_HOST_IP is unset and this host has network interfaces but no default "
+    "route (IPv4 or IPv6) to choose among them. Set side_channel_host in "
+    "kv_connector_extra_config (or VLLM_HOST_IP in the environment) to this host's address on "
+    "the network the other engines use"
+)
+
+
+def routable_host() -> str | None:
+    """This host's address on its default route (IPv4, else IPv6), or None without one.
+
+    A loopback or unspecified answer is no answer: no other host could use it."""
+    for family, target in _ROUTE_PROBES:
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect(target)
+                addr = str(s.getsockname()[0])
+        except OSError:
+            continue
+        ip = ipaddress.ip_address(addr.split("%", 1)[0])
+        if not (ip.is_loopback or ip.is_unspecified):
+            return addr
+    return None
+
+
+def _loopback_only() -> bool:
+    """True when no network interface but loopback is up: every peer is on this host."""
+    for _, name in socket.if_nameindex():
+        if name == "lo":
+            continue
+        try:
+            with open(f"/sys/class/net/{name}/operstate") as f:
+                if f.read().strip() != "down":
+                    return False
+        except OSError:
+            return False  # cannot tell: assume a usable interface, so do not guess loopback
+    return True
+
+
+def _default_host() -> tuple[str, bool]:
+    """(address to advertise, whether it was chosen here rather than given).
+
+    ``VLLM_HOST_IP`` is the operator's choice, as for vLLM itself. Otherwise the address
+    behind the default route; on a host with nothing but loopback, 127.0.0.1 (no other
+    host exists for it). Anything else is ambiguous, and a wrong guess would make a
+    remote decode engine time out on every load, so start-up fails naming the setting."""
+    env = os.environ.get("VLLM_HOST_IP")
+    if env:
+        return env, False
+    addr = routable_host()
+    if addr is not None:
+        return addr, True
+    if _loopback_only():
+        return "127.0.0.1", True
+    raise ConnectorConfigError(_NO_ROUTE)
+
+
+def _wildcard(host: str) -> str:
+    """The any-address of ``host``'s family (what a server listens on to be reachable on
+    every interface, loopback included)."""
+    return "::" if ":" in host else "0.0.0.0"
 
 
 @dataclass(frozen=True)
@@ -59,7 +128,8 @@ class ConnectorConfig:
     backend: str = "loopback"
     mode: str = "read"
     backend_options: dict[str, Any] = field(default_factory=dict)
-    side_channel_host: str = field(default_factory=_default_host)
+    #: the address peers are told (in kv_transfer_params and hand-shakes) to reach us at
+    side_channel_host: str = field(default_factory=lambda: _default_host()[0])
     side_channel_port: int = 5600
     transfer_timeout_s: float = 30.0
     lease_s: float = 60.0
@@ -70,6 +140,20 @@ class ConnectorConfig:
     max_message_bytes: int = 16 * 1024 * 1024
     #: "auto": register the KV cache itself; "cpu": stage blocks through pinned host buffers
     kv_buffer_device: str = "auto"
+    #: True when side_channel_host was chosen by this module (default route or
+    #: loopback-only host), False when given (extra config or VLLM_HOST_IP)
+    side_channel_host_auto: bool = False
+
+    @property
+    def side_channel_bind_host(self) -> str:
+        """The address the side-channel server listens on.
+
+        A given address is listened on as given (the operator picked the network). A chosen
+        one is only our best guess of the address peers use, so the server listens on every
+        interface: peers on this host still reach it at 127.0.0.1, as they did when
+        127.0.0.1 was the default, and remote peers at the advertised address. Every
+        request must still be sealed with the cluster secret (kvtransport.auth)."""
+        return _wildcard(self.side_channel_host) if self.side_channel_host_auto else self.side_channel_host
 
     @property
     def is_producer(self) -> bool:
@@ -148,13 +232,20 @@ class ConnectorConfig:
             raise ConnectorConfigError(
                 f"KVTransportConnector: kv_buffer_device must be 'auto' or 'cpu', got {extra.get('kv_buffer_device')!r}"
             )
+        given = extra.get("side_channel_host")
+        if given is not None and not isinstance(given, str):
+            raise ConnectorConfigError(
+                f"KVTransportConnector: side_channel_host must be a host name or address (a string), got {given!r}"
+            )
+        host, host_auto = (given.strip(), False) if given and given.strip() else _default_host()
         return cls(
             kv_role=kv_role,
             engine_id=str(engine_id or "engine"),
             backend=backend,
             mode=mode,
             backend_options=opts,
-            side_channel_host=str(extra.get("side_channel_host") or _default_host()),
+            side_channel_host=host,
+            side_channel_host_auto=host_auto,
             side_channel_port=port,
             transfer_timeout_s=timeout,
             lease_s=lease,

@@ -32,6 +32,12 @@ __all__ = [
     "Aborted",
     "Reply",
     "Error",
+    "Probe",
+    "ProbeInfo",
+    "ProbeWrite",
+    "ProbeStatus",
+    "ProbeResult",
+    "DOCTOR_AGENT_PREFIX",
     "encode",
     "decode",
     "peek_version",
@@ -149,7 +155,60 @@ class Error(Msg, tag="error"):
     message: str
 
 
-AnyMsg = Hello | Welcome | Done | Renew | Release | WriteReq | Cancel | Written | Aborted | Reply | Error
+# --------------------------------------------------------------------------------------
+# `kvtransport doctor` (issue 17, point 5): requests only the doctor sends. They never
+# change a hold or a load; the one that moves bytes makes the engine READ its own KV cache
+# and WRITE it into the doctor's scratch memory, never the other way round.
+
+#: every doctor agent's name starts so; an engine connects no other name for a probe, so
+#: a probe can never replace (and so fail the transfers of) one of its real peers
+DOCTOR_AGENT_PREFIX = "kvtransport-doctor-"
+
+
+class Probe(Msg, tag="probe"):
+    """Doctor -> engine: "describe yourself" (what a consumer's Hello would learn)."""
+
+    doctor: str
+
+
+class ProbeInfo(Msg, tag="probe_info"):
+    """Engine -> doctor: its identity, settings and hand-shake data."""
+
+    engine_id: str
+    kv_role: str
+    mode: str
+    backend: str
+    tp_rank: int
+    agent_md: bytes
+    layout: LayoutInfo
+
+
+class ProbeWrite(Msg, tag="probe_write"):
+    """Doctor -> engine: write your block ``block_id`` (every layer and part, in layout
+    order) into my region ``region_id`` from ``offset``, with your agent."""
+
+    agent_md: bytes
+    block_id: int
+    region_id: int
+    offset: int
+
+
+class ProbeStatus(Msg, tag="probe_status"):
+    """Doctor -> engine: how did the write of my last ProbeWrite end?"""
+
+    doctor: str
+
+
+class ProbeResult(Msg, tag="probe_result"):
+    """Engine -> doctor: ``state`` is "posted", "pending", "done", "failed", "refused"
+    or "unknown" (no probe of that doctor); ``detail`` says why."""
+
+    state: str
+    detail: str = ""
+
+
+AnyMsg = (Hello | Welcome | Done | Renew | Release | WriteReq | Cancel | Written | Aborted | Reply | Error
+          | Probe | ProbeInfo | ProbeWrite | ProbeStatus | ProbeResult)
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(AnyMsg)
 
