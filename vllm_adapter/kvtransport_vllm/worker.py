@@ -3,7 +3,8 @@
 Runs in each vLLM worker (one per TP rank). Everything here is driven from vLLM's
 per-step hooks (``start_load_kv`` .. ``get_finished``) and never blocks on a peer: the
 side channel is asynchronous and transfers are polled. A side-channel server thread
-answers peers; it only touches the lock-protected tables, never the agent.
+answers peers; it touches the lock-protected tables, and the agent only to answer the doctor's
+probes (the agent has its own lock; the probe write is posted, never waited for).
 
 :class:`KVTransportWorker` is the facade the connector calls; the work is in
 
@@ -160,6 +161,7 @@ class KVTransportWorker:
                 self.handlers,
                 auth=self._auth,
                 max_message_bytes=self.cfg.max_message_bytes,
+                bind_host=self.cfg.side_channel_bind_host,
             )
         except Exception:
             ctx.agent.close()
