@@ -247,7 +247,9 @@ def test_passive_tap_sees_no_address_and_no_key(backend, auth):
         prompt = prompt_of(80, seed=12)
         params = dict(p.prefill("tap1", prompt))
         assert params["remote_port"] == p.p_port
-        params["remote_port"] = tap.port  # route the consumer's side channel through the tap
+        # route the consumer's side channel through the tap (which listens on loopback; the
+        # producer advertises its routable address and listens on every interface)
+        params["remote_host"], params["remote_port"] = "127.0.0.1", tap.port
         p.C.add("tapc1", prompt, 2, params)
         p.run(lambda: any("tapc1" in (o.finished_recving or ()) for o in p.C.kv_outputs), timeout=30)
         assert not any(o.invalid_block_ids for o in p.C.kv_outputs)
