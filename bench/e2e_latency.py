@@ -333,10 +333,11 @@ def main(argv: list[str] | None = None) -> int:
             took = harness.start_all(setup.servers)
             print(f"[bench] {name}: up after " + ", ".join(f"{k} {v:.0f}s" for k, v in took.items()))
             asyncio.run(warm_up(setup, vocab))
-            before = phase_metrics(setup.decode)
             wls = [w for ws in setup_wls.values() for w in ws] if name == "single" else setup_wls[name]
             results[name] = {}
+            phases[name] = {}
             for wl in wls:
+                before = phase_metrics(setup.decode)
                 reps = args.repeat if wl.name == "seq" else 1
                 samples, wall = [], 0.0
                 for _ in range(reps):
@@ -351,9 +352,9 @@ def main(argv: list[str] | None = None) -> int:
                         continue  # other setups' prompts: answered only for the token reference
                 mismatches = sum(1 for s in samples if s.tokens != reference.get(s.prompt))
                 results[name][key] = summarise(samples, wall, mismatches)
-            after = phase_metrics(setup.decode)
-            phases[name] = {k: (v[0] - before.get(k, (0, 0))[0], v[1] - before.get(k, (0, 0))[1])
-                            for k, v in after.items()}
+                after = phase_metrics(setup.decode)
+                phases[name][key] = {k: (v[0] - before.get(k, (0, 0))[0], v[1] - before.get(k, (0, 0))[1])
+                                     for k, v in after.items()}
         finally:
             setup.stop()
     report(results, phases, wl_names)
@@ -399,18 +400,19 @@ def report(results: dict[str, dict[str, dict[str, Any]]], phases: dict[str, Any]
                   f"{r['req_per_s']:.2f} | {r['tok_per_s']:.0f} | {ratio(r, single, 'e2e_p50')} | "
                   f"{ratio(r, example, 'e2e_p50')} | {ratio(r, single, 'ttft_p50')} | "
                   f"{ratio(r, example, 'ttft_p50')} | {r['mismatches']} |")
-    if any(phases.values()):
-        print("\n## KVTransportConnector: where a remote load's time goes (decode engine, mean ms per load)")
-        print("| setup | " + " | ".join(PHASES) + " |")
-        print("|---" * (len(PHASES) + 1) + "|")
-        for name, ph in phases.items():
-            if not ph:
-                continue
-            cells = []
+    rows = [(name, wl, ph) for name, by_wl in phases.items() for wl, ph in by_wl.items() if ph]
+    if rows:
+        print("\n## KVTransportConnector: where a remote load's time goes (decode engine's stats, mean ms per load)")
+        print("| setup | workload | " + " | ".join(PHASES) + " | connector's own (total - transfer) |")
+        print("|---" * (len(PHASES) + 3) + "|")
+        for name, wl, ph in rows:
+            cells, mean = [], {}
             for p in PHASES:
                 total, count = ph.get(p, (0.0, 0.0))
-                cells.append(f"{1000 * total / count:.2f} (n={int(count)})" if count else "—")
-            print(f"| {name} | " + " | ".join(cells) + " |")
+                mean[p] = 1000 * total / count if count else float("nan")
+                cells.append(f"{mean[p]:.2f}" if count else "—")
+            n = int(ph.get("total", (0, 0))[1])
+            print(f"| {name} | {wl} (n={n}) | " + " | ".join(cells) + f" | {mean['total'] - mean['transfer']:.2f} |")
 
 
 #: The connector's load phases as exported on /metrics (kvtransport_vllm.prom_metrics).

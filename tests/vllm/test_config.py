@@ -105,3 +105,25 @@ def test_side_channel_port_in_use_is_a_clear_error():
             Engine("kv_consumer", {"side_channel_port": base})
     finally:
         s.close()
+
+
+def test_gil_switch_interval_is_set_in_the_worker_process_and_zero_leaves_it():
+    """The worker shortens Python's thread switch interval (its side-channel and copy threads
+    otherwise wait up to 5 ms for the GIL held by vLLM's busy worker loop); 0 leaves it."""
+    import sys
+
+    from kvtransport_vllm.worker import KVTransportWorker
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        off = ConnectorConfig.from_extra("kv_consumer", "e", {"side_channel_auth": "off", "gil_switch_interval_s": 0})
+        KVTransportWorker(off, block_size=16, num_blocks=4, dtype="float32")
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        on = ConnectorConfig.from_extra("kv_consumer", "e", {"side_channel_auth": "off"})
+        KVTransportWorker(on, block_size=16, num_blocks=4, dtype="float32")
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        sys.setswitchinterval(before)
+    with pytest.raises(ConnectorConfigError, match="gil_switch_interval_s"):
+        ConnectorConfig.from_extra("kv_consumer", "e", {"side_channel_auth": "off", "gil_switch_interval_s": "fast"})
