@@ -5,7 +5,7 @@ One command (after ``./scripts/dev.sh test`` has built the venv)::
 
     .venv/bin/python bench/e2e_latency.py [--plot out.png] [--setups ...] [--json out.json]
 
-It starts, one setup at a time (so every setup gets both cores to itself):
+It starts every setup at once (prefill engines confined to CPU 0, decode engines to CPU 1):
 
 * ``single``     one engine, no disaggregation (the reference for tokens and time);
 * ``kvt-read``   KVTransportConnector, loopback backend, READ (decode pulls);
@@ -14,13 +14,16 @@ It starts, one setup at a time (so every setup gets both cores to itself):
 * ``example``    vLLM's ExampleConnector (KV through files in a temporary directory);
 * ``nixl``       vLLM's NixlConnector with ``kv_buffer_device: cpu`` (when ``nixl`` is installed);
 
-sends the same workloads to each -- distinct prompts one at a time, the same prompts at
-concurrency 8 and 32, and a shared-prefix set (decode finds part of the prompt in its own
-prefix cache) -- measures time to first token by streaming, end-to-end latency p50 / p90 /
-p99 and throughput, checks every completion against the single engine's tokens, and prints
-the ratios to the single engine and to each other. For the KVTransportConnector rows it also
-reads the connector's own per-phase timings from the decode engine's ``/metrics``
-(``vllm:kvtransport_load_phase_seconds``) to show where each millisecond goes.
+then runs rounds in which every setup, in turn (order rotated each round, with a pause so the
+previous setup's workers stop busy-waiting), gets the same kinds of workload -- distinct prompts
+one at a time, concurrency 8 and 32, and a shared-prefix set (decode finds part of the prompt in
+its own prefix cache) -- with fresh prompts each time. It measures time to first token by
+streaming, end-to-end latency p50 / p90 / p99 and throughput, checks every completion against the
+single engine's tokens, and prints the ratios to the single engine and to each other. For the
+KVTransportConnector rows it also reads the connector's per-phase load timings from the decode
+engine's ``/metrics`` (``vllm:kvtransport_load_phase_seconds``) to show where each millisecond
+goes. Interleaving matters on a shared machine: its speed drifts by 2x over minutes, and rounds
+spread that drift over every setup alike.
 
 The client does the proxy's two hops itself (prefill with ``max_tokens=1``, then decode with
 the prefill's ``kv_transfer_params``), exactly as ``examples/disagg_proxy.py`` does, so that the
@@ -296,20 +299,20 @@ def phase_metrics(server: harness.VllmServer) -> dict[str, tuple[float, float]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--setups", default="single,kvt-read,kvt-write,example,nixl",
-                    help="comma-separated, in order; 'single' is always run first (token reference)")
+                    help="comma-separated; 'single' is always included (token and time reference)")
     ap.add_argument("--workloads", default="seq,c8,c32,prefix")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="every setup runs every workload once per round, setups interleaved (order rotated "
+                         "each round), so a slow phase of the machine hits all setups alike")
     ap.add_argument("--plot", type=Path, help="write a PNG plot (needs matplotlib: the 'plot' extra)")
-    ap.add_argument("--json", type=Path, help="write every sample as JSON")
+    ap.add_argument("--json", type=Path, help="write the summary as JSON")
     ap.add_argument("--log-dir", type=Path, default=None)
     ap.add_argument("--pin", choices=("worker", "engine"), default="engine",
                     help="worker: only each worker's OpenMP threads are pinned (VLLM_CPU_OMP_THREADS_BIND); "
                          "engine: each PD engine's whole process tree is confined to its core")
-    ap.add_argument("--repeat", type=int, default=1, help="run the sequential workload this many times")
     args = ap.parse_args(argv)
 
-    names = [s for s in args.setups.split(",") if s]
-    if "single" in names:
-        names.remove("single")
+    names = [s for s in args.setups.split(",") if s and s != "single"]
     if "nixl" in names and not nixl_available():
         print("[bench] nixl not installed: NixlConnector row skipped (pip install nixl-cu12; nixl --no-deps)")
         names.remove("nixl")
@@ -321,42 +324,44 @@ def main(argv: list[str] | None = None) -> int:
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     print(f"[bench] model {model}; logs {log_dir}")
 
-    setup_wls = {name: make_workloads(vocab, i, wl_names) for i, name in enumerate(names)}
-    reference: dict[tuple[int, ...], list[int]] = {}
-    results: dict[str, dict[str, dict[str, Any]]] = {}
-    phases: dict[str, dict[str, tuple[float, float]]] = {}
-    for i, name in enumerate(names):
-        setup = make_setup(name, model, log_dir)
-        if args.pin == "engine" and setup.prefill is not None:
-            pin_engine_trees(setup)
-        try:
-            took = harness.start_all(setup.servers)
-            print(f"[bench] {name}: up after " + ", ".join(f"{k} {v:.0f}s" for k, v in took.items()))
-            asyncio.run(warm_up(setup, vocab))
-            wls = [w for ws in setup_wls.values() for w in ws] if name == "single" else setup_wls[name]
-            results[name] = {}
-            phases[name] = {}
-            for wl in wls:
-                before = phase_metrics(setup.decode)
-                reps = args.repeat if wl.name == "seq" else 1
-                samples, wall = [], 0.0
-                for _ in range(reps):
-                    s, w = asyncio.run(run_workload(setup, wl))
-                    samples += s
-                    wall += w
-                key = wl.name
-                if name == "single":
-                    for s in samples:
-                        reference.setdefault(s.prompt, s.tokens)
-                    if wl not in setup_wls["single"]:
-                        continue  # other setups' prompts: answered only for the token reference
-                mismatches = sum(1 for s in samples if s.tokens != reference.get(s.prompt))
-                results[name][key] = summarise(samples, wall, mismatches)
-                after = phase_metrics(setup.decode)
-                phases[name][key] = {k: (v[0] - before.get(k, (0, 0))[0], v[1] - before.get(k, (0, 0))[1])
-                                     for k, v in after.items()}
-        finally:
-            setup.stop()
+    # Fresh prompts for every (round, setup), so no prefix cache holds them from before.
+    plan = {(r, name): make_workloads(vocab, 1000 * r + i, wl_names)
+            for r in range(args.rounds) for i, name in enumerate(names)}
+    setups = {name: make_setup(name, model, log_dir) for name in names}
+    for st in setups.values():
+        if args.pin == "engine" and st.prefill is not None:
+            pin_engine_trees(st)
+    samples: dict[str, dict[str, list[Sample]]] = {n: {w: [] for w in wl_names} for n in names}
+    walls: dict[str, dict[str, float]] = {n: {w: 0.0 for w in wl_names} for n in names}
+    phases: dict[str, dict[str, dict[str, tuple[float, float]]]] = {n: {} for n in names}
+    try:
+        took = harness.start_all([s for st in setups.values() for s in st.servers], timeout_s=600)
+        print("[bench] up after " + ", ".join(f"{k} {v:.0f}s" for k, v in took.items()))
+        for st in setups.values():
+            asyncio.run(warm_up(st, vocab))
+        reference = token_reference(setups["single"], [w for ws in plan.values() for w in ws])
+        for r in range(args.rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in order:
+                st = setups[name]
+                for wl in plan[(r, name)]:
+                    time.sleep(SPIN_DOWN_S)  # let the previous setup's workers stop busy-waiting
+                    before = phase_metrics(st.decode)
+                    got, wall = asyncio.run(run_workload(st, wl))
+                    after = phase_metrics(st.decode)
+                    samples[name][wl.name] += got
+                    walls[name][wl.name] += wall
+                    acc = phases[name].setdefault(wl.name, {})
+                    for k, v in after.items():
+                        old, b0 = acc.get(k, (0.0, 0.0)), before.get(k, (0.0, 0.0))
+                        acc[k] = (old[0] + v[0] - b0[0], old[1] + v[1] - b0[1])
+            print(f"[bench] round {r + 1}/{args.rounds} done")
+    finally:
+        for st in setups.values():
+            st.stop()
+    results = {n: {w: summarise(samples[n][w], walls[n][w],
+                                sum(1 for s in samples[n][w] if s.tokens != reference.get(s.prompt)))
+                   for w in wl_names if samples[n][w]} for n in names}
     report(results, phases, wl_names)
     if args.json:
         args.json.write_text(json.dumps({"results": results, "phases": phases}, indent=1))
@@ -366,6 +371,18 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"[bench] {bad} completions differ from the single engine's tokens")
     return 1 if bad else 0
+
+
+#: vLLM's workers busy-wait on their step queue for 1 s after their last step; a pause of a
+#: little more before each timed workload keeps one setup's spin off the next one's cores.
+SPIN_DOWN_S = 1.2
+
+
+def token_reference(single: Setup, workloads: list[Workload]) -> dict[tuple[int, ...], list[int]]:
+    """Greedy tokens of every prompt from the single engine (untimed, 16 at a time)."""
+    prompts = list({tuple(p): p for wl in workloads for p in wl.prompts}.values())
+    got, _ = asyncio.run(run_workload(single, Workload("reference", prompts, 16)))
+    return {s.prompt: s.tokens for s in got}
 
 
 def summarise(samples: list[Sample], wall: float, mismatches: int) -> dict[str, Any]:
