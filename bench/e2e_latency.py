@@ -114,6 +114,11 @@ class Setup:
     decode: harness.VllmServer
     remote_params: bool  # does the prefill return kv_transfer_params for the decode hop?
     cleanup: list[Path] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # failed requests (status, engine died)
+
+    @property
+    def alive(self) -> bool:
+        return all(s.alive for s in self.servers)
 
     @property
     def servers(self) -> list[harness.VllmServer]:
@@ -249,6 +254,8 @@ async def one_request(client: httpx.AsyncClient, setup: Setup, prompt: list[int]
 
 
 async def run_workload(setup: Setup, wl: Workload) -> tuple[list[Sample], float]:
+    """Every prompt of ``wl`` at its concurrency; a request that fails is left out of the
+    samples and recorded in ``setup.errors`` (the table shows how many)."""
     limits = httpx.Limits(max_connections=wl.concurrency * 2 + 4)
     async with httpx.AsyncClient(timeout=180, limits=limits) as client:
         sem = asyncio.Semaphore(wl.concurrency)
@@ -258,8 +265,12 @@ async def run_workload(setup: Setup, wl: Workload) -> tuple[list[Sample], float]
                 return await one_request(client, setup, p, OUTPUT_TOKENS)
 
         t0 = time.perf_counter()
-        samples = await asyncio.gather(*(go(p) for p in wl.prompts))
-        return list(samples), time.perf_counter() - t0
+        got = await asyncio.gather(*(go(p) for p in wl.prompts), return_exceptions=True)
+        wall = time.perf_counter() - t0
+        for g in got:
+            if isinstance(g, BaseException):
+                setup.errors.append(f"{wl.name}: {type(g).__name__}: {g}"[:300])
+        return [g for g in got if isinstance(g, Sample)], wall
 
 
 async def warm_up(setup: Setup, vocab: int) -> None:
@@ -340,29 +351,40 @@ def main(argv: list[str] | None = None) -> int:
         for st in setups.values():
             asyncio.run(warm_up(st, vocab))
         reference = token_reference(setups["single"], [w for ws in plan.values() for w in ws])
-        for r in range(args.rounds):
-            order = names[r % len(names):] + names[:r % len(names)]
-            for name in order:
-                st = setups[name]
-                for wl in plan[(r, name)]:
+        # Workload by workload (so an engine that dies on one -- vLLM's ExampleConnector does on
+        # shared prefixes -- still has every earlier one measured), rounds inside, setups interleaved.
+        for wname in wl_names:
+            for r in range(args.rounds):
+                order = names[r % len(names):] + names[:r % len(names)]
+                for name in order:
+                    st = setups[name]
+                    if not st.alive:
+                        continue  # an engine of this setup died: its errors say why
+                    wl = next(w for w in plan[(r, name)] if w.name == wname)
                     time.sleep(SPIN_DOWN_S)  # let the previous setup's workers stop busy-waiting
                     before = phase_metrics(st.decode)
                     got, wall = asyncio.run(run_workload(st, wl))
                     after = phase_metrics(st.decode)
-                    samples[name][wl.name] += got
-                    walls[name][wl.name] += wall
-                    acc = phases[name].setdefault(wl.name, {})
+                    samples[name][wname] += got
+                    walls[name][wname] += wall
+                    acc = phases[name].setdefault(wname, {})
                     for k, v in after.items():
                         old, b0 = acc.get(k, (0.0, 0.0)), before.get(k, (0.0, 0.0))
                         acc[k] = (old[0] + v[0] - b0[0], old[1] + v[1] - b0[1])
-            print(f"[bench] round {r + 1}/{args.rounds} done")
+            print(f"[bench] workload {wname}: {args.rounds} rounds done")
     finally:
         for st in setups.values():
             st.stop()
     results = {n: {w: summarise(samples[n][w], walls[n][w],
-                                sum(1 for s in samples[n][w] if s.tokens != reference.get(s.prompt)))
+                                sum(1 for s in samples[n][w] if s.tokens != reference.get(s.prompt)),
+                                sum(1 for e in setups[n].errors if e.startswith(w + ":")))
                    for w in wl_names if samples[n][w]} for n in names}
     report(results, phases, wl_names)
+    for n, st in setups.items():
+        if st.errors:
+            dead = [s.name for s in st.servers if not s.alive]
+            print(f"[bench] {n}: {len(st.errors)} failed requests" + (f"; engine(s) died: {dead}" if dead else "")
+                  + f"; first: {st.errors[0]}")
     if args.json:
         args.json.write_text(json.dumps({"results": results, "phases": phases}, indent=1))
     if args.plot:
@@ -370,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = sum(r["mismatches"] for rows in results.values() for r in rows.values())
     if bad:
         print(f"[bench] {bad} completions differ from the single engine's tokens")
-    return 1 if bad else 0
+    ours_failed = sum(len(st.errors) for n, st in setups.items() if n.startswith("kvt-"))
+    return 1 if bad or ours_failed else 0
 
 
 #: vLLM's workers busy-wait on their step queue for 1 s after their last step; a pause of a
@@ -385,12 +408,12 @@ def token_reference(single: Setup, workloads: list[Workload]) -> dict[tuple[int,
     return {s.prompt: s.tokens for s in got}
 
 
-def summarise(samples: list[Sample], wall: float, mismatches: int) -> dict[str, Any]:
+def summarise(samples: list[Sample], wall: float, mismatches: int, errors: int = 0) -> dict[str, Any]:
     e2e = [s.e2e_s for s in samples]
     ttft = [s.ttft_s for s in samples]
     pre = [s.prefill_s for s in samples]
     toks = sum(len(s.tokens) for s in samples)
-    return {"n": len(samples), "mismatches": mismatches,
+    return {"n": len(samples), "mismatches": mismatches, "errors": errors,
             "e2e_p50": pct(e2e, 50), "e2e_p90": pct(e2e, 90), "e2e_p99": pct(e2e, 99),
             "ttft_p50": pct(ttft, 50), "ttft_p90": pct(ttft, 90),
             "prefill_p50": pct(pre, 50), "decode_p50": pct([a - b for a, b in zip(e2e, pre)], 50),
@@ -403,8 +426,9 @@ def report(results: dict[str, dict[str, dict[str, Any]]], phases: dict[str, Any]
     for wl in wls:
         print(f"\n## workload {wl}")
         print("| setup | n | e2e p50 ms | p90 | p99 | TTFT p50 ms | TTFT p90 | prefill hop p50 | decode hop p50"
-              " | req/s | tok/s | ×single (p50) | ×example (p50) | ×single TTFT | ×example TTFT | token mismatches |")
-        print("|---" * 16 + "|")
+              " | req/s | tok/s | ×single (p50) | ×example (p50) | ×single TTFT | ×example TTFT | token mismatches"
+              " | failed requests |")
+        print("|---" * 17 + "|")
         single = results.get("single", {}).get(wl)
         example = results.get("example", {}).get(wl)
         for name, rows in results.items():
@@ -416,7 +440,7 @@ def report(results: dict[str, dict[str, dict[str, Any]]], phases: dict[str, Any]
                   f"{ms(r['ttft_p50'])} | {ms(r['ttft_p90'])} | {ms(r['prefill_p50'])} | {ms(r['decode_p50'])} | "
                   f"{r['req_per_s']:.2f} | {r['tok_per_s']:.0f} | {ratio(r, single, 'e2e_p50')} | "
                   f"{ratio(r, example, 'e2e_p50')} | {ratio(r, single, 'ttft_p50')} | "
-                  f"{ratio(r, example, 'ttft_p50')} | {r['mismatches']} |")
+                  f"{ratio(r, example, 'ttft_p50')} | {r['mismatches']} | {r['errors']} |")
     rows = [(name, wl, ph) for name, by_wl in phases.items() for wl, ph in by_wl.items() if ph]
     if rows:
         print("\n## KVTransportConnector: where a remote load's time goes (decode engine's stats, mean ms per load)")
