@@ -15,7 +15,9 @@ pytestmark = pytest.mark.timeout(60)
 
 def test_transfer_cancelled_while_queued_does_not_block_later_ones():
     size = 256 << 20
-    with kvt.open("loopback", name="q-a", threads=1) as a, kvt.open("loopback", name="q-b") as b:
+    # inline_bytes=0: every transfer goes through the copy thread's queue (small ones would
+    # otherwise be copied on the posting thread and never queue)
+    with kvt.open("loopback", name="q-a", threads=1, inline_bytes=0) as a, kvt.open("loopback", name="q-b") as b:
         ba, bb = np.zeros(size, np.uint8), np.full(size, 7, np.uint8)
         ra, rb = a.register(ba), b.register(bb)
         peer = a.connect(b.metadata())

@@ -140,10 +140,19 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._connector_metadata
         return meta if isinstance(meta, KVTransportMetadata) else None
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            # New work is taken as soon as it is bound, before the forward: vLLM calls
+            # start_load_kv for asynchronous loads only after the forward, and a READ posted
+            # there would have its confirmation wait for the next step's forward. Taken here,
+            # the READ and its confirmation overlap this step's forward. Loads stay
+            # asynchronous: the request is not scheduled before done_recving.
+            self._worker.on_metadata(self._meta())
+            self._worker.progress()
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        # New work is taken here (metadata is bound); loads are asynchronous: the
-        # request is not scheduled before done_recving, so the forward never waits.
-        self._worker.on_metadata(self._meta())
+        self._worker.on_metadata(self._meta())  # no-op when already taken at bind
         self._worker.progress()
 
     def wait_for_layer_load(self, layer_name: str) -> None:

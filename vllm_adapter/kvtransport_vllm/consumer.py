@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,6 +94,8 @@ class Consumer:
         self.done_recving: set[str] = set()
         #: loads that ended, until ``report`` records their outcome and phases
         self.reporting: dict[str, Recv] = {}
+        #: set by the side-channel thread when a producer's "written" arrives
+        self.written_event = threading.Event()
         self.failed_recving: set[str] = set()
         self.load_errors: set[int] = set()
         self._last_renew = 0.0
@@ -365,6 +368,17 @@ class Consumer:
                 log.warning("kvtransport: load of request %s (key %s) failed: %s",
                             r.job.req_id, r.job.key, r.error or "unknown")
 
+    def awaiting_replies(self) -> tuple[list[Any], list[Recv]]:
+        """Loads that need nothing but the producer's word: the clients a READ confirmation
+        awaits an answer on, and the WRITE loads awaiting "written"."""
+        with self.ctx.lock:
+            confirming = [r for r in self.recv.values() if r.state is RecvState.CONFIRM]
+            writes = [r for r in self.recv.values()
+                      if r.state is RecvState.WRITE_WAIT and r.write_requested and r.written is None]
+        clients = {id(p.client): p.client for r in confirming
+                   if (p := self.peers.get((r.job.host, r.job.port + self.ctx.tp_rank))) is not None}
+        return list(clients.values()), writes
+
     def report(self, req_ids: set[str], now: float) -> None:
         """Record the outcome and phase timings of loads just handed to vLLM. Caller holds the lock."""
         for rid in req_ids:
@@ -398,6 +412,7 @@ class Consumer:
         if r is None or r.state not in (RecvState.WRITE_WAIT, RecvState.CANCEL):
             return "unknown"  # late / duplicate: dropped (R3)
         r.written = msg.ok
+        self.written_event.set()
         if msg.ok and r.clock is not None:
             r.clock.transferred = time.monotonic()
         if r.state is RecvState.WRITE_WAIT and not msg.ok:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -264,6 +265,15 @@ class SideChannelClient:
         except zmq.ZMQError as exc:  # HWM reached: the peer is not draining
             log.warning("side channel to %s:%s: send dropped (%s)", self.host, self.port, exc)
 
+    def wait_readable(self, timeout_s: float) -> bool:
+        """True once a reply is waiting (at most ``timeout_s``)."""
+        return bool(self._sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN))
+
+    @property
+    def socket(self) -> zmq.Socket:
+        """The DEALER socket, for a caller that polls several clients at once."""
+        return self._sock
+
     def poll(self) -> list[Msg]:
         out: list[Msg] = []
         # Called several times per engine step for every peer: ask the socket whether a frame
@@ -331,3 +341,25 @@ class SideChannelClient:
 
     def close(self) -> None:
         self._sock.close(0)
+
+
+def wait_for_any(clients: list[SideChannelClient], event: threading.Event | None, timeout_s: float) -> bool:
+    """Block up to ``timeout_s`` until one of ``clients`` has a reply waiting or ``event`` is
+    set; True if so. ZMQ sockets and a thread's event cannot be waited on together, so with
+    both they are checked in turn every 0.2 ms."""
+    give_up = time.monotonic() + timeout_s
+    poller = zmq.Poller()
+    for c in clients:
+        poller.register(c.socket, zmq.POLLIN)
+    if event is None:
+        return bool(clients) and bool(poller.poll(max(1, math.ceil(timeout_s * 1000))))
+    if not clients:
+        return event.wait(timeout_s)
+    while True:
+        if poller.poll(0) or event.is_set():
+            return True
+        left = give_up - time.monotonic()
+        if left <= 0:
+            return False
+        event.wait(min(left, 0.0002))
+

@@ -41,10 +41,14 @@ from .handlers import SideChannelHandlers
 from .kv_layout import KVLayoutError, check_uniform, describe_kv_caches
 from .messages import Aborted, KVTransportMetadata, LayoutInfo, Msg, PeerNotice, Release, Renew
 from .producer import Hold, Producer
-from .side_channel import SideChannelServer
+from .side_channel import SideChannelServer, wait_for_any
 from .staging import HostKV, HostStaging, KVDevice, make_kv_device
 
 log = logging.getLogger(__name__)
+
+#: Longest a step's get_finished waits for a producer's reply to a load that needs nothing
+#: else (see KVTransportWorker._await_replies).
+REPLY_WAIT_S = 0.002
 
 __all__ = ["KVTransportWorker", "KVLayoutError", "describe_kv_caches"]
 
@@ -83,6 +87,8 @@ class KVTransportWorker:
         self._notices: list[tuple[PeerNotice, float]] = []
         #: side-channel refusal totals at the last take_stats(), to report differences
         self._side_channel_reported = _side_channel_zero()
+        #: the last metadata taken (on_metadata is offered each step's metadata twice)
+        self._taken_meta: KVTransportMetadata | None = None
         #: (holds, loads) in flight at the last take_stats(), reported again only when changed
         self._in_flight_reported = (0, 0)
         #: totals of side-channel sockets already closed (shutdown), so totals never go down
@@ -209,9 +215,11 @@ class KVTransportWorker:
 
     # ------------------------------------------------------------------ per step
     def on_metadata(self, meta: KVTransportMetadata | None) -> None:
-        """Take this step's new work from the scheduler half."""
-        if meta is None:
+        """Take this step's new work from the scheduler half (once per metadata object: the
+        connector offers it at bind time and again at start_load_kv)."""
+        if meta is None or meta is self._taken_meta:
             return
+        self._taken_meta = meta
         if meta.hold:
             # Ordering point 1 (LIFECYCLE.md section 6): the KV of these blocks is complete
             # (and, staged, in the host buffer) before any hold is offered or written.
@@ -241,6 +249,8 @@ class KVTransportWorker:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self.progress(finished_req_ids)
+        if self.consumer.awaiting_replies():
+            self._await_replies(REPLY_WAIT_S)
         with self.ctx.lock:
             sending, self.producer.done_sending = self.producer.done_sending, set()
             recving, self.consumer.done_recving = self.consumer.done_recving, set()
@@ -266,6 +276,26 @@ class KVTransportWorker:
             if blocks is not None and rid not in failed:
                 ids += blocks
         self.kv_device.after_receive(ids)
+
+    def _await_replies(self, budget_s: float) -> None:
+        """Give loads that only wait for the producer's word (a READ's confirmation, a
+        WRITE's "written") up to ``budget_s`` to get it before this step ends: on a local
+        network it takes well under a millisecond, and otherwise the load would be reported
+        one engine step later (a whole forward when the engine is busy). Bounded, and only
+        while such a load exists, so a silent peer costs each step at most ``budget_s``."""
+        give_up = time.monotonic() + budget_s
+        while (left := give_up - time.monotonic()) > 0:
+            clients, writes = self.consumer.awaiting_replies()
+            if not clients and not writes:
+                return
+            event = self.consumer.written_event if writes else None
+            if event is not None:
+                event.clear()
+                if any(r.written is not None for r in writes):  # arrived before the clear
+                    event.set()
+            if not wait_for_any(clients, event, left):
+                return
+            self.progress()
 
     def take_failed_recving(self) -> set[str]:
         with self.ctx.lock:
