@@ -96,7 +96,11 @@ def free_port_base(n: int = 4) -> int:
 
 def make_vllm_config(kv_role: str, extra: dict[str, Any], block_size: int = 16, engine_id: str | None = None,
                      max_num_batched_tokens: int = 256, kv_connector_module_path: str | None = None,
-                     kv_load_failure_policy: str = "fail") -> VllmConfig:
+                     kv_load_failure_policy: str = "fail", dp_rank: int = 0) -> VllmConfig:
+    """A real VllmConfig for the tiny model. ``dp_rank`` > 0 makes it the config of that
+    data-parallel rank as vLLM's engine-core process leaves it for a dense model:
+    ``parallel_config.data_parallel_index`` set to the rank (``EngineCoreProc`` does this),
+    ``data_parallel_rank`` reset to 0 (``reconfigure_for_independent_dp_rank``)."""
     model_config = ModelConfig(model=tiny_model_dir(), skip_tokenizer_init=True, dtype="float32", seed=0,
                                max_model_len=2048)
     scheduler_config = SchedulerConfig(
@@ -109,8 +113,11 @@ def make_vllm_config(kv_role: str, extra: dict[str, Any], block_size: int = 16, 
         kv_connector_module_path=kv_connector_module_path, kv_connector_extra_config=extra,
         kv_load_failure_policy=kv_load_failure_policy,
     )
-    return VllmConfig(model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config,
-                      kv_transfer_config=ktc, device_config=DeviceConfig("cpu"))
+    cfg = VllmConfig(model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config,
+                     kv_transfer_config=ktc, device_config=DeviceConfig("cpu"))
+    if dp_rank:
+        cfg.parallel_config.data_parallel_index = dp_rank
+    return cfg
 
 
 def kv_pattern(token_ids: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
@@ -123,7 +130,8 @@ class Engine:
 
     def __init__(self, kv_role: str, extra: dict[str, Any], *, block_size: int = 16, num_blocks: int = 64,
                  engine_id: str | None = None, connector_cls: type | None = None,
-                 kv_load_failure_policy: str = "fail", max_num_batched_tokens: int = 256) -> None:
+                 kv_load_failure_policy: str = "fail", max_num_batched_tokens: int = 256,
+                 dp_rank: int = 0) -> None:
         global _none_hash
         register()
         if not _none_hash:
@@ -134,7 +142,7 @@ class Engine:
         self.engine_id = engine_id or f"{kv_role}-{next(_ids)}"
         self.vllm_config = make_vllm_config(kv_role, extra, block_size, self.engine_id,
                                             max_num_batched_tokens=max_num_batched_tokens,
-                                            kv_load_failure_policy=kv_load_failure_policy)
+                                            kv_load_failure_policy=kv_load_failure_policy, dp_rank=dp_rank)
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         self.kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[],

@@ -14,7 +14,8 @@ from typing import Any
 
 from kvtransport.auth import AUTH_OFF, AuthConfigError, Authenticator, load_secret
 
-__all__ = ["ConnectorConfig", "ConnectorConfigError", "EXTRA_CONFIG_KEYS", "AUTH_CHANNEL", "routable_host"]
+__all__ = ["ConnectorConfig", "ConnectorConfigError", "EXTRA_CONFIG_KEYS", "AUTH_CHANNEL", "routable_host",
+           "data_parallel_rank", "rank_port"]
 
 #: Channel name bound into every side-channel MAC (a sealed message of another
 #: kvtransport channel, e.g. the bench job, is refused here).
@@ -32,7 +33,8 @@ EXTRA_CONFIG_KEYS: dict[str, str] = {
     "backend_options": "dict of options passed to kvtransport.open() for the backend",
     "side_channel_host": "address this engine advertises for its side channel (default: $VLLM_HOST_IP, else the "
     "address of the default route's interface; start-up fails when neither exists on a networked host)",
-    "side_channel_port": "base TCP port of the side channel; TP rank r listens on port + r",
+    "side_channel_port": "base TCP port of the side channel; DP rank d, TP rank r listens on "
+    "port + d * tp_size + r",
     "transfer_timeout_s": "a remote load ends (done or failed) within this many seconds",
     "lease_s": "producer keeps finished blocks this long without consumer progress",
     "load_failure_policy": "recompute or fail: what vLLM does with a failed load",
@@ -266,6 +268,45 @@ class ConnectorConfig:
     def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:
         ktc = vllm_config.kv_transfer_config
         return cls.from_extra(ktc.kv_role, ktc.engine_id, ktc.kv_connector_extra_config)
+
+
+def data_parallel_rank(vllm_config: Any) -> int:
+    """This engine's data-parallel rank, as vLLM's own connectors read it.
+
+    ``parallel_config.data_parallel_index`` first: vLLM sets it to the DP rank in every
+    engine-core process, whereas a dense (non-MoE) model's DP ranks are reconfigured as
+    independent engines with ``data_parallel_rank`` reset to 0 (``ParallelConfig.
+    reconfigure_for_independent_dp_rank``), so that field alone would give every rank the
+    same ports. ``data_parallel_rank`` only for a vLLM without the index; 0 without a
+    parallel config (DP=1)."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    if pc is None:
+        return 0
+    rank = getattr(pc, "data_parallel_index", None)
+    if rank is None:
+        rank = getattr(pc, "data_parallel_rank", 0)
+    return int(rank or 0)
+
+
+def rank_port(base: int, dp_rank: int, tp_size: int, tp_rank: int = 0) -> int:
+    """The side-channel port of (DP rank, TP rank): ``base + dp_rank * tp_size + tp_rank``.
+
+    Every worker of every DP rank of one engine gets its own port from one configured
+    base, so DP ranks on one host can share a configuration. ``tp_rank=0`` gives the DP
+    rank's own base, which a producer advertises as ``remote_port``; a consumer adds its
+    TP rank to it. DP=1 is ``base + tp_rank``, the layout before DP was handled. A port
+    past 65535 is a start-up error naming the setting to lower."""
+    if dp_rank < 0 or tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ConnectorConfigError(
+            f"KVTransportConnector: invalid rank for the side-channel port: dp_rank {dp_rank}, "
+            f"tp_rank {tp_rank}, tp_size {tp_size}")
+    port = base + dp_rank * tp_size + tp_rank
+    if port > 65535:
+        raise ConnectorConfigError(
+            f"KVTransportConnector: side_channel_port {base} + DP rank {dp_rank} x TP size {tp_size} + TP rank "
+            f"{tp_rank} = {port} is not a TCP port; lower side_channel_port so that base + DP size x TP size - 1 "
+            "<= 65535")
+    return port
 
 
 def _switch_interval(raw: Any) -> float:

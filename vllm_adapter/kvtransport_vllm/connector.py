@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from .config import ConnectorConfig, ConnectorConfigError
+from .config import ConnectorConfig, ConnectorConfigError, data_parallel_rank
 from .messages import KVTransportMetadata
 from .scheduler import KVTransportScheduler
 from .stats import KVTransportStats
@@ -82,11 +82,12 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
             ktc.kv_load_failure_policy = self.cfg.load_failure_policy
         block_size = vllm_config.cache_config.block_size
         tp_rank, tp_size = _tp_info()
+        dp_rank = data_parallel_rank(vllm_config)  # side-channel ports per (DP rank, TP rank)
         self._scheduler: KVTransportScheduler | None = None
         self._worker: Any = None
         if role == KVConnectorRole.SCHEDULER:
             tp_size = vllm_config.parallel_config.tensor_parallel_size
-            self._scheduler = KVTransportScheduler(self.cfg, block_size, tp_size)
+            self._scheduler = KVTransportScheduler(self.cfg, block_size, tp_size, dp_rank)
         else:
             from .worker import KVTransportWorker
 
@@ -94,7 +95,8 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
             dtype = str(vllm_config.cache_config.cache_dtype)
             if dtype == "auto":
                 dtype = str(vllm_config.model_config.dtype)
-            self._worker = KVTransportWorker(self.cfg, block_size, num_blocks, dtype, tp_rank, tp_size)
+            self._worker = KVTransportWorker(self.cfg, block_size, num_blocks, dtype, tp_rank, tp_size,
+                                             dp_rank)
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:

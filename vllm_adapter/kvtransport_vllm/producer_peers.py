@@ -2,6 +2,9 @@
 side channel (host, port of our TP rank), its Hello / Welcome exchange, and the check
 that the producer's KV layout matches ours before any byte may move.
 
+Ports: a producer advertises the base port of its DP rank (``remote_port``); its TP rank
+*r* listens on that + *r* (docs/VLLM.md, Data parallel), so we add our own TP rank.
+
 Engine thread only (the consumer's advance and reply polling).
 """
 
@@ -38,9 +41,19 @@ class PeerConn:
     last_hello: float = 0.0
     engine_name: str = ""  # the producer worker we hand-shook with
     failed_at: float = 0.0  # when the hand-shake last failed
+    #: the last refusal logged at error level; the same one again is logged at debug level
+    logged_error: str = ""
 
     def fail(self, error: str) -> None:
+        """The hand-shake failed. Logged at error level once per peer and reason: every load
+        from a refusing peer hand-shakes again (the peer may have been fixed), and an
+        engine under load would otherwise log the same refusal once per request. A new
+        reason, or the same one after a successful hand-shake, is logged again."""
         self.state, self.error, self.failed_at = "failed", error, time.monotonic()
+        if error == self.logged_error:
+            log.debug("%s (repeated; logged once at error level)", error)
+            return
+        self.logged_error = error
         log.error("%s", error)
 
 
@@ -86,6 +99,7 @@ class ProducerPeers:
             p.fail(f"producer {msg.engine_id} declared an unusable layout: {exc}")
             return
         p.kvt_peer, p.layouts, p.state, p.error = peer, layouts, "ready", ""
+        p.logged_error = ""  # a later refusal is news again
         p.engine_name = msg.engine_id
 
     def poll(self) -> list[Msg]:

@@ -14,7 +14,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from .config import ConnectorConfig
+from .config import ConnectorConfig, rank_port
 from .messages import HoldJob, KVTransportMetadata, PeerNotice, RecvJob
 from .params import KVTransferParamsError, RemoteSource, parse_remote_source
 from .routing import parse_router_request_id, producer_key
@@ -29,10 +29,14 @@ __all__ = ["KVTransportScheduler"]
 
 
 class KVTransportScheduler:
-    def __init__(self, cfg: ConnectorConfig, block_size: int, tp_size: int = 1) -> None:
+    def __init__(self, cfg: ConnectorConfig, block_size: int, tp_size: int = 1, dp_rank: int = 0) -> None:
         self.cfg = cfg
         self.block_size = block_size
         self.tp_size = tp_size
+        #: the base port of this DP rank's workers, advertised as ``remote_port``: worker
+        #: (DP d, TP r) listens on side_channel_port + d * tp_size + r, and a consumer adds
+        #: its TP rank to what it is given, so it reaches the worker of this DP rank
+        self.remote_port = rank_port(cfg.side_channel_port, dp_rank, tp_size)
         self._meta = KVTransportMetadata()
         #: consumer requests whose load was handed to the worker (req_id -> key)
         self.loading: dict[str, str] = {}
@@ -191,7 +195,7 @@ class KVTransportScheduler:
             "remote_engine_id": self.cfg.engine_id,
             "remote_request_id": rid,
             "remote_host": self.cfg.side_channel_host,
-            "remote_port": self.cfg.side_channel_port,
+            "remote_port": self.remote_port,
             "remote_block_ids": list(block_ids),
             "remote_num_tokens": int(request.num_computed_tokens),
             "transfer_id": key,

@@ -34,7 +34,7 @@ from typing import Any
 
 import kvtransport as kvt
 
-from .config import ConnectorConfig, ConnectorConfigError
+from .config import ConnectorConfig, ConnectorConfigError, rank_port
 from .consumer import Consumer, Recv
 from .context import WorkerContext, new_stats
 from .handlers import SideChannelHandlers
@@ -62,6 +62,7 @@ class KVTransportWorker:
         dtype: str,
         tp_rank: int = 0,
         tp_size: int = 1,
+        dp_rank: int = 0,
     ) -> None:
         if cfg.gil_switch_interval_s > 0:
             # vLLM's worker loop busy-waits in Python for its next step, so our side-channel
@@ -76,7 +77,7 @@ class KVTransportWorker:
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.name = f"{cfg.engine_id}-tp{tp_rank}"
-        self.port = cfg.side_channel_port + tp_rank
+        self.port = rank_port(cfg.side_channel_port, dp_rank, tp_size, tp_rank)  # docs/VLLM.md, Data parallel
         self.server: SideChannelServer | None = None
         #: seals/opens every side-channel message (None only if explicitly disabled)
         self._auth = cfg.make_authenticator()
