@@ -59,8 +59,8 @@ __all__ = ["Finding", "Verdict", "DoctorUsageError", "run_doctor", "parse_addres
 FIX_SECRET = ("give the doctor the engines' cluster secret: the same KVTRANSPORT_SECRET, KVTRANSPORT_SECRET_FILE "
               "or side_channel_secret the engines use (doctor: --secret-file PATH or the environment)")
 FIX_PORT = ("start the engine with kv_connector KVTransportConnector, or fix the address: the side channel listens "
-            "on side_channel_host at side_channel_port + TP rank (the engine logs 'side channel HOST:PORT' at start)")
-FIX_FIREWALL = ("open TCP side_channel_port .. side_channel_port + TP size - 1 between the hosts (see docs/DEPLOY.md), "
+            "on side_channel_host at side_channel_port + DP rank x TP size + TP rank (the engine logs 'side channel HOST:PORT' at start)")
+FIX_FIREWALL = ("open TCP side_channel_port .. side_channel_port + DP size x TP size - 1 between the hosts (see docs/DEPLOY.md), "
                 "or use the address the engine advertises (side_channel_host / VLLM_HOST_IP)")
 FIX_LAYOUT = "serve the same model with the same dtype, block size and TP size on both engines"
 FIX_BACKEND = ("set the same kv_connector_extra_config backend (and backend_options) on both engines and install "

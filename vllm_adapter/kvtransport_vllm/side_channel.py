@@ -106,7 +106,7 @@ class SideChannelServer:
             self._sock.close(0)
             raise SideChannelError(
                 f"kvtransport side channel cannot listen on {host}:{port}: {exc}. "
-                "Choose another side_channel_port (TP rank r uses port + r) or stop the "
+                "Choose another side_channel_port (DP rank d, TP rank r use port + d * TP size + r) or stop the "
                 "process already using it."
             ) from exc
         self._stop = threading.Event()
