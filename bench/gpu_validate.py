@@ -34,9 +34,9 @@ and the bytes are verified in device memory. Staged timings include both copies 
 control round trip to the server.
 
 Exit status: 0 when every check passed; 1 when a transfer failed, a byte differed (ours
-or raw NIXL's), or a backend refused device memory (the reason is printed); 2 when this host cannot validate
-anything (no CUDA device, no torch, or a ROCm build of torch: use bench/moriio_validate.py),
-with a one-line reason. See docs/GPU.md.
+or raw NIXL's), or a backend refused device memory (the reason is printed); 2 when this
+host cannot validate anything (no CUDA device, no torch, or a ROCm build of torch: use
+bench/moriio_validate.py), with a one-line reason. See docs/GPU.md.
 
 ``--memory cpu`` runs the same flow on CPU buffers. It tests this script (protocol,
 verification, table, the raw-NIXL column on DRAM), NOT device memory, and says so in its
@@ -144,7 +144,7 @@ class Buffer:
         bb = self.block_bytes
         return [b for o, n in zip(offsets, lengths) for b in range(o // bb, (o + n) // bb)]
 
-    def memory(self) -> tuple[int, int, str, int]:
+    def nixl_memory(self) -> tuple[int, int, str, int]:
         """(address, length, NIXL memory kind, device) of the buffer the bytes are checked in:
         the device buffer (also when staged: raw NIXL moves it directly) or the CPU array."""
         if self.memory == "cuda":
@@ -272,7 +272,7 @@ def serve(args: argparse.Namespace) -> int:
                 reply.update(metadata=agent.metadata(), region_id=buf.region.id)
                 if msg.get("raw"):  # the raw-NIXL anchor registers the same buffer
                     try:
-                        raw = RawNixl(f"gpu-validate-raw-server-{os.getpid()}-{next(_SEQ)}", buf.memory())
+                        raw = RawNixl(f"gpu-validate-raw-server-{os.getpid()}-{next(_SEQ)}", buf.nixl_memory())
                         keep.append(raw)
                         reply["raw"] = raw.export()
                     except AnchorUnavailable as exc:
@@ -403,7 +403,7 @@ class Client:
         try:
             if "raw" not in reply:
                 raise AnchorUnavailable(reply.get("raw_error", "server: no raw NIXL agent"))
-            raw = RawNixl(f"gpu-validate-raw-client-{os.getpid()}-{next(_SEQ)}", buf.memory())
+            raw = RawNixl(f"gpu-validate-raw-client-{os.getpid()}-{next(_SEQ)}", buf.nixl_memory())
             self.keep.append(raw)
             raw.connect(reply["raw"])
             return raw
