@@ -521,7 +521,7 @@ class Client:
         return st
 
 
-def print_table(rows: list[dict[str, Any]], memory: str, anchor_notes: list[str]) -> None:
+def print_table(rows: list[dict[str, Any]], memory: str, anchor_notes: list[str], raw_on: bool = True) -> None:
     """The GB/s table; raw NIXL's GB/s and ours/raw beside each row ("n/a" when it was not
     measured, the reasons below the table; "FAIL" when its bytes or transfer failed)."""
     note = "" if memory == "cuda" else "  (CPU memory: script self-test, NOT device memory)"
@@ -533,6 +533,9 @@ def print_table(rows: list[dict[str, Any]], memory: str, anchor_notes: list[str]
             f"{r['raw GB/s']:.2f}", f"{r['GB/s'] / r['raw GB/s']:.2f}")
         print(f"{r['backend']:<16}{r['op']:<7}{r['case']:<26}{r['MiB']:>8.1f}{r['GB/s']:>9.2f}{r['ms']:>9.2f}"
               f"{raw:>15}{ratio:>10}")
+    if not raw_on:
+        print("raw NIXL n/a: not run (--raw-nixl off)")
+        return
     print("raw NIXL: the same buffers through NIXL's Python API (UCX plugin; prep_xfer_dlist, "
           "make_prepped_xfer once per case, transfer + check_xfer_state each round)")
     for why in dict.fromkeys(anchor_notes):
@@ -573,7 +576,7 @@ def run(args: argparse.Namespace) -> int:
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
-    print_table(client.table, args.memory, client.anchor_notes)
+    print_table(client.table, args.memory, client.anchor_notes, args.raw_nixl == "on")
     failed = [r for r in client.results if not r[1]]
     print(f"\n{len(client.results) - len(failed)} passed, {len(failed)} failed")
     raw_failed = [r for r in client.anchor_results if not r[1]]
