@@ -14,6 +14,17 @@ swap metadata over a local ZeroMQ socket; the client then moves, READ and WRITE:
 verifies every byte (READ on the client, WRITE on the server; for WRITE the untouched
 bytes too), then times ``--iters`` more transfers and prints a GB/s table.
 
+Beside each row the table shows **raw NIXL**: the same case moved by NIXL's own Python
+API with nothing of kvtransport in between (``--raw-nixl``, default on). Each side
+registers *the same buffer* (the device buffer, also for staged rows; DRAM with
+``--memory cpu``) with a plain ``nixl_agent`` (UCX plugin, progress thread); per case the
+client prepares both descriptor lists once (``prep_xfer_dlist``), makes the request once
+(``make_prepped_xfer``), re-posts it with ``transfer`` and polls ``check_xfer_state``.
+Its first transfer is byte-checked exactly like ours (a mismatch is a FAIL line and exit
+status 1), then its timed transfers alternate with ours. ``ours/raw`` is the ratio of
+the GB/s. Where NIXL is not installed or cannot register the memory, the column reads
+``n/a`` and a line under the table says why; that alone does not fail the run.
+
 ``--paths`` (default ``direct,staged``): *direct* registers the device buffer itself;
 *staged* is the vLLM connector's host staging (``kv_buffer_device: cpu``), with its own
 code (``kvtransport_vllm.staging.HostStaging``): the device buffer is a cache of
@@ -22,19 +33,21 @@ moved blocks device -> host before the transfer, the receiver host -> device aft
 and the bytes are verified in device memory. Staged timings include both copies and one
 control round trip to the server.
 
-Exit status: 0 when every check passed; 1 when a transfer failed, a byte differed, or a
-backend refused device memory (the reason is printed); 2 when this host cannot validate
-anything (no CUDA device, no torch, or a ROCm build of torch: use bench/moriio_validate.py),
-with a one-line reason. See docs/GPU.md.
+Exit status: 0 when every check passed; 1 when a transfer failed, a byte differed (ours
+or raw NIXL's), or a backend refused device memory (the reason is printed); 2 when this
+host cannot validate anything (no CUDA device, no torch, or a ROCm build of torch: use
+bench/moriio_validate.py), with a one-line reason. See docs/GPU.md.
 
 ``--memory cpu`` runs the same flow on CPU buffers. It tests this script (protocol,
-verification, table), NOT device memory, and says so in its output.
+verification, table, the raw-NIXL column on DRAM), NOT device memory, and says so in its
+output.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import os
 import socket
 import subprocess
@@ -131,6 +144,111 @@ class Buffer:
         bb = self.block_bytes
         return [b for o, n in zip(offsets, lengths) for b in range(o // bb, (o + n) // bb)]
 
+    def nixl_memory(self) -> tuple[int, int, str, int]:
+        """(address, length, NIXL memory kind, device) of the buffer the bytes are checked in:
+        the device buffer (also when staged: raw NIXL moves it directly) or the CPU array."""
+        if self.memory == "cuda":
+            return self.t.data_ptr(), self.nbytes, "VRAM", self.t.device.index or 0
+        if self.staging is not None:
+            return self.t.data_ptr(), self.nbytes, "DRAM", 0
+        return self.a.ctypes.data, self.nbytes, "DRAM", 0
+
+
+# --------------------------------------------------------------------------- raw NIXL
+class AnchorUnavailable(Exception):
+    """Raw NIXL cannot run here; the message says why (shown under the table)."""
+
+
+POLL_S = 5e-5  # raw NIXL completion polling interval, as in bench/test_bench_nixl.py
+_SEQ = itertools.count()  # unique raw NIXL agent names within a process
+
+
+def raw_nixl_module() -> Any:
+    """NIXL's Python API module, found the way the nixl backend finds it (which also keeps
+    NIXL's UCX from loading RDMA modules on a host without an RDMA device)."""
+    try:
+        from kvtransport_nixl import _probe
+    except ImportError as exc:
+        raise AnchorUnavailable(f"the kvtransport_nixl package is not importable ({exc})") from None
+    mod, why = _probe.load_nixl()
+    if mod is None:
+        raise AnchorUnavailable(f"NIXL's Python API is not installed ({_probe.INSTALL_HINT}): {why}")
+    return mod
+
+
+class RawNixl:
+    """The anchor: NIXL's own Python API moving the same buffer as ours, with nothing of
+    kvtransport in between, so each row can be read against what NIXL itself reaches on
+    this host and memory kind. One agent per side and run (UCX plugin, progress thread:
+    NIXL's defaults), the buffer registered whole. Per case the client prepares both
+    descriptor lists once, makes the request once and re-posts it each round -- the
+    prepared path vLLM's NixlConnector uses, NIXL's fastest."""
+
+    def __init__(self, name: str, mem: tuple[int, int, str, int]) -> None:
+        m = raw_nixl_module()
+        self.addr, self.nbytes, self.kind, self.dev = mem
+        try:
+            self.agent = m.nixl_agent(name, m.nixl_agent_config(backends=["UCX"]))
+        except Exception as exc:
+            raise AnchorUnavailable(f"NIXL could not start an agent: {type(exc).__name__}: {exc}") from None
+        if "UCX" not in self.agent.backends:
+            raise AnchorUnavailable(f"NIXL's UCX plugin did not load (plugins found: "
+                                    f"{list(self.agent.get_plugin_list())}; NIXL_PLUGIN_DIR="
+                                    f"{os.environ.get('NIXL_PLUGIN_DIR', 'unset')})")
+        try:
+            self.agent.register_memory(np.array([[self.addr, self.nbytes, self.dev]], np.uint64), self.kind)
+        except Exception as exc:
+            raise AnchorUnavailable(f"NIXL refused to register {self.kind} memory (device {self.dev}): "
+                                    f"{type(exc).__name__}: {exc}") from None
+        self.peer, self.remote = "", (0, "DRAM", 0)
+
+    def export(self) -> dict[str, Any]:
+        """What the initiator needs: NIXL's metadata (the target needs none of the initiator's)."""
+        return {"md": self.agent.get_agent_metadata(), "addr": self.addr, "kind": self.kind, "dev": self.dev}
+
+    def connect(self, info: dict[str, Any]) -> None:
+        try:
+            peer = self.agent.add_remote_agent(info["md"])
+        except Exception as exc:
+            raise AnchorUnavailable(f"NIXL refused the server's metadata: {type(exc).__name__}: {exc}") from None
+        self.peer = peer.decode() if isinstance(peer, bytes) else str(peer)
+        self.remote = (int(info["addr"]), str(info["kind"]), int(info["dev"]))
+
+    def prepare(self, op: str, loc: np.ndarray, rem: np.ndarray, ln: np.ndarray) -> tuple[Any, Any, Any]:
+        """(request, local list, remote list) for ``op`` over these ranges, ready to post."""
+        raddr, rkind, rdev = self.remote
+
+        def descs(base: int, offs: np.ndarray, dev: int) -> np.ndarray:
+            d = np.empty((len(offs), 3), np.uint64)
+            d[:, 0], d[:, 1], d[:, 2] = np.uint64(base) + offs, ln, dev
+            return d
+
+        lh = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs(self.addr, loc, self.dev), self.kind)
+        rh = self.agent.prep_xfer_dlist(self.peer, descs(raddr, rem, rdev), rkind)
+        idx = np.arange(len(ln), dtype=np.int32)
+        return self.agent.make_prepped_xfer(op, lh, idx, rh, idx), lh, rh
+
+    def run(self, prepared: tuple[Any, Any, Any], timeout: float) -> str:
+        """Post the prepared request and poll it to the end: "" when DONE, else why not."""
+        handle = prepared[0]
+        try:
+            st = self.agent.transfer(handle)
+            deadline = time.monotonic() + timeout
+            while st == "PROC":
+                if time.monotonic() > deadline:
+                    return f"raw NIXL transfer not done after {timeout}s"
+                time.sleep(POLL_S)
+                st = self.agent.check_xfer_state(handle)
+        except Exception as exc:
+            return f"raw NIXL: {type(exc).__name__}: {exc}"
+        return "" if st == "DONE" else f"raw NIXL reported the transfer {st}"
+
+    def release(self, prepared: tuple[Any, Any, Any]) -> None:
+        handle, lh, rh = prepared
+        self.agent.release_xfer_handle(handle)
+        self.agent.release_dlist_handle(lh)
+        self.agent.release_dlist_handle(rh)
+
 
 # --------------------------------------------------------------------------- server
 def serve(args: argparse.Namespace) -> int:
@@ -152,6 +270,13 @@ def serve(args: argparse.Namespace) -> int:
                 buf = Buffer(agent, args.region_mib << 20, args.memory, args.gpu, msg.get("block_bytes", 0))
                 agent.connect(msg["metadata"])
                 reply.update(metadata=agent.metadata(), region_id=buf.region.id)
+                if msg.get("raw"):  # the raw-NIXL anchor registers the same buffer
+                    try:
+                        raw = RawNixl(f"gpu-validate-raw-server-{os.getpid()}-{next(_SEQ)}", buf.nixl_memory())
+                        keep.append(raw)
+                        reply["raw"] = raw.export()
+                    except AnchorUnavailable as exc:
+                        reply["raw_error"] = f"server: {exc}"
             elif cmd == "reset":
                 buf.fill(SERVER_SEED)
             elif cmd == "stage_out":  # staged READ: our blocks device -> host mirror first
@@ -204,6 +329,8 @@ class Client:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(f"tcp://127.0.0.1:{port}")
         self.results: list[tuple[str, bool, str]] = []
+        self.anchor_results: list[tuple[str, bool, str]] = []  # raw NIXL's checks, tallied apart
+        self.anchor_notes: list[str] = []  # why raw NIXL was not measured, per run
         self.table: list[dict[str, Any]] = []
 
     def call(self, cmd: str, **kw: Any) -> dict[str, Any]:
@@ -217,8 +344,8 @@ class Client:
                 raise SystemExit(f"gpu_validate: the server process did not answer {cmd!r} within {self.args.timeout}s")
         return _dec.decode(self.sock.recv())
 
-    def check(self, name: str, ok: bool, detail: str = "") -> bool:
-        self.results.append((name, bool(ok), detail))
+    def check(self, name: str, ok: bool, detail: str = "", anchor: bool = False) -> bool:
+        (self.anchor_results if anchor else self.results).append((name, bool(ok), detail))
         print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
         return ok
 
@@ -254,23 +381,77 @@ class Client:
             self.check(f"{label}: register {what}", False, f"{type(exc).__name__}: {exc}")
             return
         try:
-            r = self.call("open", backend=backend, metadata=agent.metadata(), block_bytes=bb)
+            r = self.call("open", backend=backend, metadata=agent.metadata(), block_bytes=bb, raw=a.raw_nixl == "on")
             if not self.check(f"{label}: server registers {what}", r["ok"], r.get("error", "")):
                 return
             peer = agent.connect(r["metadata"])
             remote = peer.region(r["region_id"])
+            raw = self.open_anchor(label, buf, r) if a.raw_nixl == "on" else None
             for name, loc, rem, ln in self.cases(nbytes):
                 if staged and (ln % bb).any():
                     raise SystemExit(f"gpu_validate: staged cases need sizes that are multiples of {bb} bytes")
                 for op in ("READ", "WRITE"):
-                    self.one_case(label, op, name, agent, peer, buf, remote, loc, rem, ln)
+                    self.one_case(label, op, name, agent, peer, buf, remote, loc, rem, ln, raw)
         finally:
             self.call("close")
             agent.close()
             self.keep.append((agent, buf))
 
+    def open_anchor(self, label: str, buf: Buffer, reply: dict[str, Any]) -> RawNixl | None:
+        """This run's raw-NIXL anchor on the client's buffer, connected to the server's; None
+        (and the reason noted for the table) when NIXL cannot run it here."""
+        try:
+            if "raw" not in reply:
+                raise AnchorUnavailable(reply.get("raw_error", "server: no raw NIXL agent"))
+            raw = RawNixl(f"gpu-validate-raw-client-{os.getpid()}-{next(_SEQ)}", buf.nixl_memory())
+            self.keep.append(raw)
+            raw.connect(reply["raw"])
+            return raw
+        except AnchorUnavailable as exc:
+            self.anchor_notes.append(f"{label}: {exc}")
+            return None
+
+    def verify(self, op: str, buf: Buffer, loc: np.ndarray, rem: np.ndarray, ln: np.ndarray) -> int:
+        """Wrong bytes after one transfer of these ranges: the whole client buffer after a
+        READ, the whole server buffer after a WRITE (moved ranges and untouched rest)."""
+        if op == "READ":
+            expect = pattern(CLIENT_SEED, buf.nbytes).copy()
+            server = pattern(SERVER_SEED, buf.nbytes)
+            for lo, ro, n in zip(loc.tolist(), rem.tolist(), ln.tolist()):
+                expect[lo:lo + n] = server[ro:ro + n]
+            return int(np.count_nonzero(buf.host() != expect))
+        v = self.call("verify_write", src=loc.tolist(), dst=rem.tolist(), len=ln.tolist(), client_nbytes=buf.nbytes)
+        if "n_bad" not in v:
+            raise SystemExit(f"gpu_validate: the server could not verify a WRITE: {v.get('error')}")
+        return int(v["n_bad"])
+
+    def anchor_case(self, label: str, op: str, name: str, raw: RawNixl, buf: Buffer,
+                    loc: np.ndarray, rem: np.ndarray, ln: np.ndarray) -> tuple[Any, Any] | None:
+        """Raw NIXL's first transfer of the case, checked like ours: (its prepared request,
+        a callable that times one transfer) when every byte is right, else None (FAIL printed)."""
+        check = f"raw NIXL@{label}: {op} {name} byte-exact"
+        # --anchor-fault short (the self-test's proof that this check can fail): the anchor
+        # moves only the first half of every range, the verification expects all of it
+        mv = ln // 2 if self.args.anchor_fault == "short" else ln
+        try:
+            prepared = raw.prepare(op, loc, rem, mv)
+        except Exception as exc:
+            self.check(check, False, f"NIXL could not prepare the transfer: {type(exc).__name__}: {exc}", anchor=True)
+            return None
+        self.call("reset")
+        buf.fill(CLIENT_SEED)
+        why = raw.run(prepared, self.args.timeout)
+        if why:
+            self.check(check, False, why, anchor=True)
+            return None
+        bad = self.verify(op, buf, loc, rem, ln)
+        if not self.check(check, bad == 0, f"{int(ln.sum())} bytes to move, {bad} wrong in the whole buffer",
+                          anchor=True):
+            return None
+        return prepared, lambda: raw.run(prepared, self.args.timeout)
+
     def one_case(self, backend: str, op: str, name: str, agent: kvt.Agent, peer: Any, buf: Buffer,
-                 remote: Any, loc: np.ndarray, rem: np.ndarray, ln: np.ndarray) -> None:
+                 remote: Any, loc: np.ndarray, rem: np.ndarray, ln: np.ndarray, raw: RawNixl | None) -> None:
         self.call("reset")
         buf.fill(CLIENT_SEED)
         move = agent.read if op == "READ" else agent.write
@@ -286,19 +467,14 @@ class Client:
         if not st.ok:
             self.check(label, False, st.reason)
             return
-        if op == "READ":
-            expect = pattern(CLIENT_SEED, buf.nbytes).copy()
-            server = pattern(SERVER_SEED, buf.nbytes)
-            for lo, ro, n in zip(loc.tolist(), rem.tolist(), ln.tolist()):
-                expect[lo:lo + n] = server[ro:ro + n]
-            bad = int(np.count_nonzero(buf.host() != expect))
-        else:
-            v = self.call("verify_write", src=loc.tolist(), dst=rem.tolist(), len=ln.tolist(),
-                          client_nbytes=buf.nbytes)
-            bad = v["n_bad"]
+        bad = self.verify(op, buf, loc, rem, ln)
         if not self.check(label, bad == 0, f"{int(ln.sum())} bytes moved, {bad} wrong in the whole buffer"):
             return
-        lat = []
+        anchor = self.anchor_case(backend, op, name, raw, buf, loc, rem, ln) if raw is not None else None
+        raw_note = "n/a" if raw is None else ("FAIL" if anchor is None else "")
+        # timed rounds: ours and raw NIXL's alternate, so load from other processes hits both alike
+        lat: list[float] = []
+        raw_lat: list[float] = []
         for _ in range(self.args.iters):
             t0 = time.perf_counter()
             st = fn(peer, local_segs, remote_segs)
@@ -306,10 +482,22 @@ class Client:
             if not st.ok:
                 self.check(f"{backend}: {op} {name} timed runs", False, st.reason)
                 return
+            if anchor is not None:
+                t0 = time.perf_counter()
+                why = anchor[1]()
+                raw_lat.append(time.perf_counter() - t0)
+                if why:
+                    self.check(f"raw NIXL@{backend}: {op} {name} timed runs", False, why, anchor=True)
+                    anchor, raw_note, raw_lat = None, "FAIL", []
+        if anchor is not None:
+            raw.release(anchor[0])
         if lat:
             med = float(np.median(lat))
-            self.table.append({"backend": backend, "op": op, "case": name, "MiB": float(ln.sum()) / 2**20,
-                               "GB/s": float(ln.sum()) / med / 1e9, "ms": med * 1e3})
+            nbytes = float(ln.sum())
+            raw_gbps = nbytes / float(np.median(raw_lat)) / 1e9 if raw_lat else None
+            self.table.append({"backend": backend, "op": op, "case": name, "MiB": nbytes / 2**20,
+                               "GB/s": nbytes / med / 1e9, "ms": med * 1e3, "raw GB/s": raw_gbps,
+                               "raw note": raw_note})
 
     def staged(self, op: str, buf: Buffer, move: Any, peer: Any, local_segs: Any, remote_segs: Any,
                 loc: np.ndarray, rem: np.ndarray, ln: np.ndarray) -> Any:
@@ -333,13 +521,25 @@ class Client:
         return st
 
 
-def print_table(rows: list[dict[str, Any]], memory: str) -> None:
+def print_table(rows: list[dict[str, Any]], memory: str, anchor_notes: list[str], raw_on: bool = True) -> None:
+    """The GB/s table; raw NIXL's GB/s and ours/raw beside each row ("n/a" when it was not
+    measured, the reasons below the table; "FAIL" when its bytes or transfer failed)."""
     note = "" if memory == "cuda" else "  (CPU memory: script self-test, NOT device memory)"
     print(f"\nthroughput, median of the timed runs{note}")
-    hdr = f"{'backend':<16}{'op':<7}{'case':<26}{'MiB':>8}{'GB/s':>9}{'ms':>9}"
+    hdr = f"{'backend':<16}{'op':<7}{'case':<26}{'MiB':>8}{'GB/s':>9}{'ms':>9}{'raw NIXL GB/s':>15}{'ours/raw':>10}"
     print(hdr + "\n" + "-" * len(hdr))
     for r in rows:
-        print(f"{r['backend']:<16}{r['op']:<7}{r['case']:<26}{r['MiB']:>8.1f}{r['GB/s']:>9.2f}{r['ms']:>9.2f}")
+        raw, ratio = (r["raw note"], "-") if r["raw GB/s"] is None else (
+            f"{r['raw GB/s']:.2f}", f"{r['GB/s'] / r['raw GB/s']:.2f}")
+        print(f"{r['backend']:<16}{r['op']:<7}{r['case']:<26}{r['MiB']:>8.1f}{r['GB/s']:>9.2f}{r['ms']:>9.2f}"
+              f"{raw:>15}{ratio:>10}")
+    if not raw_on:
+        print("raw NIXL n/a: not run (--raw-nixl off)")
+        return
+    print("raw NIXL: the same buffers through NIXL's Python API (UCX plugin; prep_xfer_dlist, "
+          "make_prepped_xfer once per case, transfer + check_xfer_state each round)")
+    for why in dict.fromkeys(anchor_notes):
+        print(f"raw NIXL n/a for {why}")
 
 
 def _free_port() -> int:
@@ -376,10 +576,12 @@ def run(args: argparse.Namespace) -> int:
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
-    print_table(client.table, args.memory)
+    print_table(client.table, args.memory, client.anchor_notes, args.raw_nixl == "on")
     failed = [r for r in client.results if not r[1]]
     print(f"\n{len(client.results) - len(failed)} passed, {len(failed)} failed")
-    return 1 if failed or not client.results else 0
+    raw_failed = [r for r in client.anchor_results if not r[1]]
+    print(f"raw NIXL anchor: {len(client.anchor_results) - len(raw_failed)} passed, {len(raw_failed)} failed")
+    return 1 if failed or raw_failed or not client.results else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -396,6 +598,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=120.0, help="per-transfer and per-reply deadline (s)")
     p.add_argument("--memory", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: self-test of this script on CPU buffers (validates no device memory)")
+    p.add_argument("--raw-nixl", choices=["on", "off"], default="on",
+                   help="on (default): also move every case with NIXL's own API on the same buffers, "
+                        "check its bytes and print its GB/s beside ours")
+    # the self-test's fault injection: raw NIXL moves only half of each range, which the
+    # byte check must report (tests/gpu/test_gpu_validate_script.py)
+    p.add_argument("--anchor-fault", choices=["none", "short"], default="none", help=argparse.SUPPRESS)
     p.add_argument("--role", choices=["server"], help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--gpu", type=int, default=0, help=argparse.SUPPRESS)

@@ -2,12 +2,16 @@
 
 Without CUDA it must exit 2 with one line saying why. ``--memory cpu`` runs the script's
 whole flow (two processes, metadata swap, READ and WRITE, byte verification, table) on CPU
-buffers over real ucx and nixl: that tests the script, not device memory. On a CUDA host
-the real run is the last test here.
+buffers over real ucx and nixl: that tests the script, not device memory. Beside each row
+the script prints raw NIXL's GB/s (NIXL's own API on the same buffers, DRAM here); the tests
+check that column holds a measured number, that a byte mismatch in that anchor path is
+reported and fails the run, and that without NIXL the column says why. On a CUDA host the
+real run is the last test here.
 """
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,13 +30,38 @@ def _cuda() -> bool:
     return torch.cuda.is_available() and not getattr(torch.version, "hip", None)
 
 
-def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def _run(*args: str, timeout: float = 600, first_path: str = "") -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT), str(ROOT / "backends"), str(ROOT / "vllm_adapter"), str(ROOT / "tools"),
-         env.get("PYTHONPATH", "")])
+        ([first_path] if first_path else [])
+        + [str(ROOT), str(ROOT / "backends"), str(ROOT / "vllm_adapter"), str(ROOT / "tools"),
+           env.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
+
+
+_NUM = r"(\d+\.\d+)"
+
+
+def _row(stdout: str, backend: str, op: str, case: str) -> list[str]:
+    """The table row's cells after the case name: MiB, GB/s, ms, raw NIXL GB/s, ours/raw."""
+    for line in stdout.splitlines():
+        m = re.fullmatch(rf"{re.escape(backend)}\s+{op}\s+{re.escape(case)}\s+(.*)", line.strip())
+        if m:
+            return m.group(1).split()
+    raise AssertionError(f"no table row for {backend} {op} {case}:\n{stdout}")
+
+
+def _assert_raw_column_measured(stdout: str, backend: str, op: str, case: str) -> None:
+    """raw NIXL GB/s is a positive number and ours/raw is our GB/s divided by it."""
+    cells = _row(stdout, backend, op, case)
+    assert len(cells) == 5, cells
+    ours, raw, ratio = float(cells[1]), cells[3], cells[4]
+    assert re.fullmatch(_NUM, raw) and float(raw) > 0, f"raw NIXL cell {raw!r} in {cells}"
+    assert re.fullmatch(_NUM, ratio), f"ratio cell {ratio!r} in {cells}"
+    # both cells are printed rounded to 2 decimals: compare within that rounding
+    lo, hi = (ours - 0.005) / (float(raw) + 0.005), (ours + 0.005) / max(float(raw) - 0.005, 1e-9)
+    assert lo - 0.005 <= float(ratio) <= hi + 0.005, cells
 
 
 @pytest.mark.skipif(_cuda(), reason="CUDA is present: test_gpu_validate_on_cuda runs the real validation")
@@ -54,6 +83,55 @@ def test_cpu_self_test_moves_and_verifies_over_ucx_and_nixl():
             for case in ("1 MiB contiguous", "4 MiB contiguous", "64 x 16 KiB scattered"):
                 assert f"PASS  {backend}: {op} {case} byte-exact" in out.stdout, out.stdout
     assert "14 passed, 0 failed" in out.stdout
+    # the raw-NIXL anchor: its own byte checks passed on the same (DRAM) buffers, and every
+    # row shows its GB/s and the ratio beside ours
+    for backend in ("ucx", "nixl"):
+        for op in ("READ", "WRITE"):
+            for case in ("1 MiB contiguous", "4 MiB contiguous", "64 x 16 KiB scattered"):
+                assert f"PASS  raw NIXL@{backend}: {op} {case} byte-exact" in out.stdout, out.stdout
+                _assert_raw_column_measured(out.stdout, backend, op, case)
+    assert "raw NIXL anchor: 12 passed, 0 failed" in out.stdout
+    assert "raw NIXL n/a" not in out.stdout
+
+
+def test_a_byte_mismatch_in_the_raw_nixl_path_is_reported():
+    """--anchor-fault short makes the raw-NIXL transfers move only half of every range (real
+    NIXL, real transfers); the anchor's byte check must say so, fail the run, and leave no
+    number in its column, while our own rows still pass."""
+    out = _run("--memory", "cpu", "--backends", "nixl", "--sizes-mib", "1", "--scatter", "64x16384",
+               "--region-mib", "8", "--iters", "1", "--paths", "direct", "--anchor-fault", "short")
+    assert out.returncode == 1, f"{out.stdout}\n{out.stderr}"
+    for op in ("READ", "WRITE"):
+        for case, nbytes in (("1 MiB contiguous", 1 << 20), ("64 x 16 KiB scattered", 64 * 16384)):
+            assert f"PASS  nixl: {op} {case} byte-exact" in out.stdout, out.stdout
+            m = re.search(rf"FAIL  raw NIXL@nixl: {op} {re.escape(case)} byte-exact  \d+ bytes to move, "
+                          rf"(\d+) wrong in the whole buffer", out.stdout)
+            assert m, out.stdout
+            # half of every range was not moved; the two patterns differ in ~255/256 of those bytes
+            assert int(m.group(1)) > nbytes // 4, m.group(0)
+            cells = _row(out.stdout, "nixl", op, case)
+            assert cells[3:] == ["FAIL", "-"], cells
+    assert "5 passed, 0 failed" in out.stdout
+    assert "raw NIXL anchor: 0 passed, 4 failed" in out.stdout
+
+
+def test_without_nixl_the_raw_column_says_why(tmp_path):
+    """NIXL hidden from the script (import-blocking stand-ins for its module names, first on
+    the path): ucx still validates and passes; the raw-NIXL column reads n/a and a line
+    under the table gives the reason."""
+    for name in ("nixl_cu12", "nixl_cu13", "nixl_rocm", "nixl"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text('raise ImportError("hidden by the test")\n')
+    out = _run("--memory", "cpu", "--backends", "ucx", "--sizes-mib", "1", "--scatter", "64x16384",
+               "--region-mib", "8", "--iters", "1", "--paths", "direct", first_path=str(tmp_path))
+    assert out.returncode == 0, f"{out.stdout}\n{out.stderr}"
+    assert "5 passed, 0 failed" in out.stdout
+    for op in ("READ", "WRITE"):
+        for case in ("1 MiB contiguous", "64 x 16 KiB scattered"):
+            assert _row(out.stdout, "ucx", op, case)[3:] == ["n/a", "-"]
+    assert re.search(r"raw NIXL n/a for ucx: server: NIXL's Python API is not installed .*hidden by the test",
+                     out.stdout), out.stdout
+    assert "raw NIXL anchor: 0 passed, 0 failed" in out.stdout
 
 
 def test_cpu_self_test_of_the_staged_path_over_ucx_and_nixl():
@@ -68,7 +146,10 @@ def test_cpu_self_test_of_the_staged_path_over_ucx_and_nixl():
         for op in ("READ", "WRITE"):
             for case in ("1 MiB contiguous", "4 MiB contiguous", "64 x 16 KiB scattered"):
                 assert f"PASS  {backend}: {op} {case} byte-exact" in out.stdout, out.stdout
+                # staged rows too: raw NIXL moved the same (device-side) buffer directly
+                _assert_raw_column_measured(out.stdout, backend, op, case)
     assert "28 passed, 0 failed" in out.stdout
+    assert "raw NIXL anchor: 24 passed, 0 failed" in out.stdout
 
 
 def test_a_backend_that_cannot_be_opened_fails_the_run():
