@@ -145,6 +145,7 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None:
+            self._worker.may_wait_for_replies = False  # until start_load_kv says there is no forward
             # New work is taken as soon as it is bound, before the forward: vLLM calls
             # start_load_kv for asynchronous loads only after the forward, and a READ posted
             # there would have its confirmation wait for the next step's forward. Taken here,
@@ -155,6 +156,10 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._worker.on_metadata(self._meta())  # no-op when already taken at bind
+        # A step without a forward (vLLM runs one while requests only wait for KV) has no
+        # attention metadata: only then may get_finished wait briefly for a peer's reply,
+        # since no running request is held up by it.
+        self._worker.may_wait_for_replies = getattr(forward_context, "attn_metadata", None) is None
         self._worker.progress()
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -88,6 +88,9 @@ class KVTransportWorker:
         self._notices: list[tuple[PeerNotice, float]] = []
         #: side-channel refusal totals at the last take_stats(), to report differences
         self._side_channel_reported = _side_channel_zero()
+        #: set per step by the connector: no forward ran, so get_finished may wait briefly
+        #: for a producer's reply (KVTransportWorker._await_replies)
+        self.may_wait_for_replies = True
         #: the last metadata taken (on_metadata is offered each step's metadata twice)
         self._taken_meta: KVTransportMetadata | None = None
         #: (holds, loads) in flight at the last take_stats(), reported again only when changed
@@ -250,7 +253,7 @@ class KVTransportWorker:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self.progress(finished_req_ids)
-        if self.consumer.awaiting_replies():
+        if self.may_wait_for_replies and any(self.consumer.awaiting_replies()):
             self._await_replies(REPLY_WAIT_S)
         with self.ctx.lock:
             sending, self.producer.done_sending = self.producer.done_sending, set()
@@ -282,8 +285,9 @@ class KVTransportWorker:
         """Give loads that only wait for the producer's word (a READ's confirmation, a
         WRITE's "written") up to ``budget_s`` to get it before this step ends: on a local
         network it takes well under a millisecond, and otherwise the load would be reported
-        one engine step later (a whole forward when the engine is busy). Bounded, and only
-        while such a load exists, so a silent peer costs each step at most ``budget_s``."""
+        one engine step later. Bounded, and only in steps without a forward (the connector
+        sets ``may_wait_for_replies``) while such a load exists: no running request is held
+        up, and a silent peer costs such a step at most ``budget_s``."""
         give_up = time.monotonic() + budget_s
         while (left := give_up - time.monotonic()) > 0:
             clients, writes = self.consumer.awaiting_replies()
