@@ -6,6 +6,7 @@ requests), R4 (no leak).
 
 import pytest
 
+from kvtransport_vllm.consumer import RecvState
 from harness import finish_reason, prompt_of
 from vllm.v1.request import RequestStatus
 
@@ -45,10 +46,14 @@ def test_lifecycle_waiting_remote_running_finished_no_leak(pairs, mode):
         st = pair.C.status("c1")
         if st == RequestStatus.RUNNING and not saw_running:
             saw_running.append(pair.C.check_kv("c1", prompt, len(prompt)))
-        # producer frees only after the consumer is done with the blocks
+        # producer frees only after the consumer is done with its blocks (LIFECYCLE.md
+        # section 2): READ, once the read is DONE and "done" sent (the load is confirming or
+        # over); WRITE, once the consumer has the producer's "written". (Not "after
+        # done_recving": P frees on its "ok", which C may report one step later.)
         if pair.P.free_blocks() != held:
-            assert any("c1" in (o.finished_recving or ()) for o in pair.C.kv_outputs), \
-                "producer freed its blocks before the consumer reported done_recving"
+            r = pair.C.worker._worker._recv.get("c1")
+            assert r is None or r.state is RecvState.CONFIRM or r.written is True, \
+                f"producer freed its blocks while the consumer was still {r.state.value}"
         return done()
 
     pair.run(until_running)
