@@ -85,7 +85,8 @@ def free_port_base(n: int = 4) -> int:
         for p in range(base, base + n):
             with socket.socket() as s:
                 try:
-                    s.bind(("127.0.0.1", p))
+                    # every interface: a worker with no host configured listens on all of them
+                    s.bind(("", p))
                 except OSError:
                     ok = False
                     break
