@@ -265,10 +265,6 @@ class SideChannelClient:
         except zmq.ZMQError as exc:  # HWM reached: the peer is not draining
             log.warning("side channel to %s:%s: send dropped (%s)", self.host, self.port, exc)
 
-    def wait_readable(self, timeout_s: float) -> bool:
-        """True once a reply is waiting (at most ``timeout_s``)."""
-        return bool(self._sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN))
-
     @property
     def socket(self) -> zmq.Socket:
         """The DEALER socket, for a caller that polls several clients at once."""
