@@ -145,3 +145,15 @@ class LocalMemory:
         uniq, inv = np.unique(regions, return_inverse=True)
         refs = [byref(self.rparams[u]) if u in self.rparams else default for u in uniq.tolist()]
         return [refs[i] for i in inv.tolist()]
+
+    def local_param_table(self, regions: np.ndarray, default: int) -> int | np.ndarray:
+        """Addresses of the per-segment request parameters for the compiled posting path:
+        one address for every segment (the common one-region case) or one per segment.
+        ``default`` is the address of the parameters without a memory handle."""
+        if regions.size == 1 or bool((regions == regions[0]).all()):
+            rp = self.rparams.get(int(regions[0]))
+            return ctypes.addressof(rp) if rp is not None else default
+        uniq, inv = np.unique(regions, return_inverse=True)
+        addrs = np.array([ctypes.addressof(self.rparams[u]) if u in self.rparams else default
+                          for u in uniq.tolist()], np.uint64)
+        return addrs[inv]

@@ -13,6 +13,8 @@ from typing import Any
 
 from kvtransport.errors import BackendOptionError
 
+from . import _native
+
 #: Friendly names for ``tls``; anything else is passed to UCX_TLS verbatim.
 TLS_ALIASES = {
     "tcp": "tcp",
@@ -36,7 +38,7 @@ _TLS_RE = re.compile(r"^\^?[a-z0-9_]+(,[a-z0-9_]+)*$")
 _KEY_RE = re.compile(r"^[A-Z0-9_]+$")
 
 KNOWN = ("tls", "err_mode", "net_devices", "progress", "ucx_config", "liveness_interval_s",
-         "cancel_grace_s", "inline_progress_s", "lanes", "lane_split_bytes")
+         "cancel_grace_s", "inline_progress_s", "lanes", "lane_split_bytes", "post")
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,9 @@ class UcxOptions:
     lanes: int = 2
     #: Transfers smaller than this use lane 0 only.
     lane_split_bytes: int = 2 << 20
+    #: Resolved posting path: "native" (one call into the compiled _post.c per lane and
+    #: transfer) or "ctypes" (one ctypes call per segment); see _native.py.
+    post: str = "ctypes"
 
     def optional_ucx_settings(self) -> dict[str, str]:
         """Our tuning defaults that a UCX build may not know (skipped there)."""
@@ -128,4 +133,5 @@ def parse_options(options: Mapping[str, Any]) -> UcxOptions:
         raise _err(f"lanes must be an integer from 1 to 8 (UCP workers per agent), got {lanes!r}")
     if isinstance(split, bool) or not isinstance(split, int) or split < 0:
         raise _err(f"lane_split_bytes must be a non-negative integer, got {split!r}")
-    return UcxOptions(tls, err_mode, net, progress, extra_s, live, grace, inline, lanes, split)
+    post = _native.resolve(options.get("post"))
+    return UcxOptions(tls, err_mode, net, progress, extra_s, live, grace, inline, lanes, split, post)

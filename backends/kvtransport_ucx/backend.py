@@ -58,7 +58,10 @@ class UcxBackend(Backend):
     )
     #: tcp: cross-host path; shm: sysv/posix + cma without UCX peer-error handling (pid
     #: liveness instead); cma+tcp: cma data with UCX peer-error handling over tcp.
-    conformance_options = ({"tls": "tcp"}, {"tls": "shm"}, {"tls": "cma+tcp"})
+    #: The last two run the suite over the ctypes posting fallback (the others post through
+    #: the compiled library where it was built: describe()["post_path"]).
+    conformance_options = ({"tls": "tcp"}, {"tls": "shm"}, {"tls": "cma+tcp"},
+                           {"tls": "shm", "post": "ctypes"}, {"tls": "tcp", "post": "ctypes"})
 
     @classmethod
     def probe(cls) -> Availability:
@@ -183,6 +186,7 @@ class UcxBackend(Backend):
             "tls": self.opts.tls or "default",
             "err_mode": self.opts.err_mode,
             "progress": self.opts.progress,
+            "post_path": self.opts.post,
             "lanes": len(self._w.lanes),
             "bytes_per_lane": list(self._data.lane_bytes),
             "peers": sorted(self._peers.by_name),
