@@ -1,4 +1,7 @@
-"""Throughput of the ucx backend against raw memcpy, the loopback backend and NIXL.
+"""Throughput of the ucx backend against raw memcpy, the loopback backend and NIXL, both
+agents in ONE process: the secondary table. The primary raw comparison runs the two agents in
+two processes, the real prefill/decode topology: ``bench/test_bench_ucx_xproc.py`` (NIXL is
+handicapped in one process: 4096 x 16 KiB ~1.5 GB/s here vs ~3.3 across two).
 
 Run: ``cd /work/main && python -m pytest bench/test_bench_ucx.py -q -s`` (``-s`` shows the
 summary table with GB/s and the ratios vs NIXL and memcpy). NIXL rows run when ``nixl_cu12``
