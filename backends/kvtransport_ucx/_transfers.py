@@ -23,7 +23,6 @@ Connections (endpoints, remote keys, peer failure) are :mod:`._peers`' job.
 from __future__ import annotations
 
 import ctypes
-import itertools
 import time
 from collections.abc import Callable
 from ctypes import byref
@@ -41,7 +40,6 @@ from ._options import UcxOptions
 from ._peers import Conn, Peers
 from ._worker import AM_NOTIFY, Lane, UcpWorker
 
-_MAX_PTR = (1 << 64) + U.UCS_ERR_LAST
 
 _Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
@@ -112,11 +110,8 @@ class DataPath:
         self._am_param.op_attr_mask = U.UCP_OP_ATTR_FIELD_FLAGS
         self._am_param.flags = U.UCP_AM_SEND_FLAG_EAGER | U.UCP_AM_SEND_FLAG_COPY_HEADER
         self._am_header = sender_name.encode()
-        #: The compiled posting library (None: post from Python), and the addresses of the
-        #: libucp functions it calls: _rma_addr[is_write] -> get / put.
-        self._native = _native.library()[0] if opts.post == "native" else None
-        self._rma_addr = (_native.fn_address(self._ucp.ucp_get_nbx), _native.fn_address(self._ucp.ucp_put_nbx))
-        self._free_addr = _native.fn_address(self._ucp.ucp_request_free)
+        #: Posts a lane's segment list: compiled loop or ctypes fallback (option ``post``).
+        self._poster = _native.Poster(self._ucp, memory, self._param, native=opts.post == "native")
 
     # -- posting ----------------------------------------------------------------------------
     def post(self, req: PostRequest) -> Xfer:
@@ -160,10 +155,9 @@ class DataPath:
         conn = x.conn
         ep, pp = conn.eps[lane.index], byref(self._param)
         with lane.lock:
-            if self._native is not None:
-                self._post_native(x, ep, la, ra, ln, lr, rks)
-            else:
-                self._post_ctypes(x, ep, la, ra, ln, lr, rks, pp)
+            st = self._poster.post(x.op is Op.WRITE, ep, la, ra, ln, lr, rks)
+            if st:
+                self._rma_failed(x, st)
             r = self._ucp.ucp_ep_flush_nbx(ep, pp)
         st = U.ptr_status(r)
         if st == U.UCS_INPROGRESS:
@@ -174,40 +168,6 @@ class DataPath:
     def _rma_failed(self, x: Xfer, status: int) -> None:
         x.error = (f"{'put' if x.op is Op.WRITE else 'get'} to peer {x.conn.name!r} "
                    f"failed: {U.lib().status_string(status)}")
-
-    def _post_ctypes(self, x: Xfer, ep: int, la: np.ndarray, ra: np.ndarray, ln: np.ndarray,
-                     lr: np.ndarray, rks: int | np.ndarray, pp: Any) -> None:
-        """The fallback (option ``post="ctypes"``): one foreign call per merged segment from
-        this Python loop, ~1.5-1.9 us per segment (lane lock held)."""
-        fn = self._ucp.ucp_put_nbx if x.op is Op.WRITE else self._ucp.ucp_get_nbx
-        free = self._ucp.ucp_request_free
-        pps = self._memory.local_params(lr, pp)
-        keys = itertools.repeat(rks) if isinstance(rks, int) else rks.tolist()
-        for a, b, n, rk, lp in zip(la.tolist(), ra.tolist(), ln.tolist(), keys, pps):
-            r = fn(ep, a, n, b, rk, lp)
-            if r:
-                if r >= _MAX_PTR:
-                    self._rma_failed(x, r - (1 << 64))
-                    break
-                free(r)
-
-    def _post_native(self, x: Xfer, ep: int, la: np.ndarray, ra: np.ndarray, ln: np.ndarray,
-                     lr: np.ndarray, rks: int | np.ndarray) -> None:
-        """The compiled path: the whole segment list in one call into ``_post.c``, which
-        merges adjacent segments and posts them without the GIL (lane lock held)."""
-        la, ra, ln = (np.ascontiguousarray(v, np.uint64) for v in (la, ra, ln))
-        lp = self._memory.local_param_table(lr, ctypes.addressof(self._param))
-        rk_arr, rk_step = (np.array([rks], np.uint64), 0) if isinstance(rks, int) \
-            else (np.ascontiguousarray(rks, np.uint64), 1)
-        lp_arr, lp_step = (np.array([lp], np.uint64), 0) if isinstance(lp, int) \
-            else (np.ascontiguousarray(lp, np.uint64), 1)
-        fn = self._rma_addr[x.op is Op.WRITE]
-        st, at = ctypes.c_int64(), ctypes.c_int64()
-        self._native.kvt_post_segments(fn, self._free_addr, ep, la.ctypes.data, ra.ctypes.data,
-                                       ln.ctypes.data, rk_arr.ctypes.data, rk_step,
-                                       lp_arr.ctypes.data, lp_step, len(ln), byref(st), byref(at))
-        if st.value:
-            self._rma_failed(x, st.value)
 
     def split(self, req: PostRequest) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
         """Share a transfer's bytes evenly across the lanes: (lane, local addresses, remote
