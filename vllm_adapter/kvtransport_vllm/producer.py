@@ -63,6 +63,7 @@ class Dest:
     src_head: int = 0
     dst_head: int = 0
     num_heads: int = 0
+    readers: int = 1  # consumer ranks the hold serves (several when their TP is larger)
 
 
 class HoldState(enum.Enum):
@@ -114,7 +115,7 @@ class Producer:
         self.holds: dict[str, Hold] = {}  # key -> hold
         self.ended: OrderedDict[str, str] = OrderedDict()  # key -> why (done|expired|released|aborted)
         #: WriteReq that came before the hold (messages race the scheduler's metadata)
-        self.early_dest: dict[str, tuple[Dest, float]] = {}
+        self.early_dest: dict[str, tuple[list[Dest], float]] = {}  # one per consumer rank
         self.consumer_md: dict[str, bytes] = {}  # consumer engine name -> agent metadata
         self.consumer_peers: dict[str, Any] = {}
         self.consumer_layouts: dict[str, LayoutInfo] = {}
@@ -133,7 +134,8 @@ class Producer:
             hold = Hold(j.req_id, j.key, list(j.block_ids), expiry=now + self.ctx.cfg.lease_s)
             early = self.early_dest.pop(j.key, None)
             if early is not None:
-                hold.dest = early[0]
+                hold.dest, hold.queue = early[0][0], early[0][1:]
+                hold.readers = max(d.readers for d in early[0])
             part = self.early_finished.pop(j.key, None)
             if part is not None:
                 hold.readers, hold.finished = part[0], dict(part[1])
@@ -386,7 +388,7 @@ class Producer:
 
     def answer_write_req(self, msg: WriteReq, now: float) -> str:
         dest = Dest(msg.engine_id, list(msg.block_ids), msg.reply_host, msg.reply_port, msg.rank, msg.src_head,
-                    msg.dst_head, msg.num_heads)
+                    msg.dst_head, msg.num_heads, msg.readers)
         lease = now + self.ctx.cfg.lease_s
         h = self.holds.get(msg.key)
         if h is not None:
@@ -403,7 +405,7 @@ class Producer:
             if h is not None and h.dest is None:
                 h.dest, h.expiry = dest, lease
             elif h is None:
-                self.early_dest[msg.key] = (dest, lease)
+                self._early(msg.key, dest, lease)
             return "hello"
         if h is not None:
             if h.dest is None and dest.rank not in h.finished:  # a resend after its write: ignored
@@ -412,5 +414,10 @@ class Producer:
             return "ok"
         if msg.key in self.ended:
             return "aborted" if self.ended[msg.key] == "aborted" else "expired"
-        self.early_dest[msg.key] = (dest, lease)
+        self._early(msg.key, dest, lease)
         return "pending"
+
+    def _early(self, key: str, dest: Dest, lease: float) -> None:
+        """Remember a destination that came before the hold (one per consumer rank)."""
+        dests = [d for d in self.early_dest.get(key, ([], 0.0))[0] if d.rank != dest.rank]
+        self.early_dest[key] = (dests + [dest], lease)
