@@ -372,7 +372,9 @@ class Producer:
             return self._unknown(key, give_up=True, done=False, rank=rank, readers=readers)
         if self._lapsed(h, now):
             return "acked"
-        if h.dest is not None and h.dest.rank == rank:
+        if h.dest is not None and (h.dest.rank == rank or rank < 0 or h.dest.rank < 0):
+            # the rank our current write goes to (rank -1: a peer that names none, treated
+            # as the destination of any write, so an ack never comes too early)
             if h.write_in_flight:
                 return "pending"  # POSTING / POSTED: no ack until the write has ended
             self._dest_done(h, "released")  # its write (if any) has ended, or never started
