@@ -92,7 +92,8 @@ class TPEngine:
 
     def __init__(self, kv_role: str, extra: dict[str, Any], *, tp: int, total_kv_heads: int, block_size: int = 16,
                  num_blocks: int = 48, engine_id: str | None = None, policy: str = "recompute",
-                 rank_extra: dict[int, dict[str, Any]] | None = None) -> None:
+                 rank_extra: dict[int, dict[str, Any]] | None = None, served_model_name: str | None = None,
+                 dtype: str | None = None) -> None:
         global _hash_ready
         register()
         if not _hash_ready:
@@ -100,6 +101,7 @@ class TPEngine:
             _hash_ready = True
         self.tp, self.total, self.block_size, self.num_blocks = tp, total_kv_heads, block_size, num_blocks
         self.engine_id = engine_id or f"{kv_role}-tp{tp}-{next(_ids)}"
+        self.served_model_name, self.dtype = served_model_name, dtype or "float32"
         self.vllm_config = self._config(kv_role, extra, policy)
         kv_heads = len(heads_of_rank(total_kv_heads, tp, 0))
         self.kv_cache_config = KVCacheConfig(
@@ -133,8 +135,8 @@ class TPEngine:
         """harness.make_vllm_config's real VllmConfig, for a model of ``total`` KV heads."""
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 
-        mc = ModelConfig(model=model_dir(self.total), skip_tokenizer_init=True, dtype="float32", seed=0,
-                         max_model_len=2048)
+        mc = ModelConfig(model=model_dir(self.total), skip_tokenizer_init=True, dtype=self.dtype, seed=0,
+                         max_model_len=2048, served_model_name=self.served_model_name)
         sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=2048,
                              enable_chunked_prefill=True, is_encoder_decoder=False)
         ktc = KVTransferConfig(kv_connector="KVTransportConnector", kv_role=kv_role, engine_id=self.engine_id,
