@@ -18,7 +18,7 @@ import torch
 
 from harness import free_port_base, prompt_of
 from kvtransport_vllm.compat import refusal
-from kvtransport_vllm.kv_layout import AMBIGUOUS, HEADS_OUTER, TOKENS_OUTER, describe_kv_caches
+from kvtransport_vllm.kv_layout import AMBIGUOUS, HEADS_OUTER, KV_OUTER, TOKENS_OUTER, describe_kv_caches
 from kvtransport_vllm.messages import LayoutInfo
 from tp_harness import TPEngine, run_until
 from vllm.v1.request import RequestStatus
@@ -97,6 +97,9 @@ def test_attn_layout_from_tensor_shapes():
     assert describe_kv_caches(flash, 8, kv_heads=4, block_size=16)[0].attn_layout == TOKENS_OUTER
     assert describe_kv_caches({"l0": torch.zeros(8, 16, 16, 32)}, 8, 16, 16)[0].attn_layout == AMBIGUOUS
     assert describe_kv_caches(flash, 8)[0].attn_layout == ""  # heads not given
+    # FlashInfer HND by stride: [blocks, 2, heads, block_size, head_size]
+    assert describe_kv_caches({"l0": torch.zeros(8, 2, 4, 16, 16)}, 8, 4, 16)[0].attn_layout == KV_OUTER
+    assert describe_kv_caches({"l0": torch.zeros(8, 2, 2, 16, 16)}, 8, 2, 16)[0].attn_layout == AMBIGUOUS
 
 
 # ---------------------------------------------------------------------- Scheduler level

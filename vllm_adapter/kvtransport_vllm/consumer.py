@@ -31,30 +31,15 @@ import kvtransport as kvt
 from .context import WorkerContext
 from .kv_layout import block_segments, head_slice
 from .load_stats import Cause, LoadClock, record_load, record_transfer
-from .messages import Cancel, Done, Msg, RecvJob, Release, Renew, Reply, WriteReq, Written
+from .load_messages import LoadMessages, plan_ranks
+from .messages import Msg, RecvJob, Renew, Reply, Written
 from .producer_peers import PeerConn, ProducerPeers
 from .recv import WANTS, PieceLoad, Recv, RecvState
-from .tp_mapping import Piece, TPMappingError, consumer_pieces, producer_ranks_of
+from .tp_mapping import TPMappingError
 
 log = logging.getLogger(__name__)
 
 __all__ = ["RecvState", "Recv", "PieceLoad", "PeerConn", "Consumer", "plan_ranks"]
-
-
-def plan_ranks(ctx: WorkerContext, remote_tp: int) -> tuple[list[Piece], dict[int, int]]:
-    """Our pieces of a load from a producer of TP ``remote_tp`` (0: ours) and every
-    producer rank we must speak to about it, with the readers it waits for. Equal TP
-    sizes: one piece of all heads from the producer rank of our rank. Raises
-    :class:`TPMappingError` when the heads cannot be mapped."""
-    d, c = max(1, ctx.tp_size), ctx.tp_rank
-    p = remote_tp or d
-    heads = ctx.layout.total_kv_heads if ctx.layout is not None else 0
-    if p == d:
-        n = ctx.layout.kv_heads if ctx.layout is not None else 0
-        return [Piece(c, 0, 0, n)], {c: 1}
-    if heads <= 0:
-        raise TPMappingError(f"producer TP size {p} differs from ours ({d}) but our KV head count is not known")
-    return consumer_pieces(heads, p, d, c), producer_ranks_of(heads, p, d, c)
 
 
 class Consumer:
@@ -65,6 +50,7 @@ class Consumer:
         self.recv: dict[str, Recv] = {}  # req_id -> load
         self.recv_by_key: dict[str, str] = {}  # key -> req_id
         self.producers = ProducerPeers(ctx)
+        self.send = LoadMessages(ctx, self.producers)
         self.peers: dict[tuple[str, int], PeerConn] = self.producers.peers
         self.done_recving: set[str] = set()
         #: loads that ended, until ``report`` records their outcome and phases
@@ -100,7 +86,7 @@ class Consumer:
                 d = max(1, self.ctx.tp_size)
                 r.releases = {job.port + q: 1 for q in range(job.remote_tp or d) if q % d == self.ctx.tp_rank}
                 self._finish(r, ok=False)
-                self._release_unread(r)
+                self.send.release_unread(r)
                 continue
             r.pieces = [PieceLoad(pc, job.port + pc.producer_rank, ranks[pc.producer_rank]) for pc in pieces]
             r.releases = {job.port + q: n for q, n in ranks.items() if all(pc.producer_rank != q for pc in pieces)}
@@ -143,19 +129,19 @@ class Consumer:
                     self._finish(r, ok=True)
             elif status == "expired":
                 r.fail(Cause.LEASE_EXPIRED, "producer lease expired before confirmation (stale read refused)")
-                self._send_release(r)
+                self.send.release(r)
                 self._finish(r, ok=False)
             elif status == "aborted":
                 r.peer_aborted = True
                 r.fail(Cause.PEER_ABORTED, "producer aborted the request")
-                self._send_release(r)
+                self.send.release(r)
                 self._finish(r, ok=False)
             elif status == "stale":
                 # we read from a previous incarnation of the producer (restarted at this
                 # address): those bytes are not its; hand-shake again
                 r.fail(Cause.STALE_READ, "producer restarted since the hand-shake (stale read refused)")
                 self._reset_peer(r.job.host, pc.port)
-                self._send_release(r)
+                self.send.release(r)
                 self._finish(r, ok=False)
             # "pending": the producer has not learnt of the key yet; resend later
         elif r.state is RecvState.CANCEL and status in ("acked", "expired"):
@@ -183,18 +169,9 @@ class Consumer:
             if step is not None:
                 step(self, r, now, r.aborted or r.peer_aborted or now >= r.deadline)
 
-    def _release_unread(self, r: Recv) -> None:
-        """Free the producer ranks nobody reads from (replicas read elsewhere), at once."""
-        if r.released_unread or not r.releases:
-            return
-        r.released_unread = True
-        for port, readers in r.releases.items():
-            self.ctx.client_to(r.job.host, port).send(Release(keys=[r.job.key], rank=self.ctx.tp_rank,
-                                                               readers=readers))
-
     def _advance_connect(self, r: Recv, now: float, gave_up: bool) -> None:
         job = r.job
-        self._release_unread(r)
+        self.send.release_unread(r)
         if gave_up:
             if r.peer_aborted:
                 r.fail(Cause.PEER_ABORTED, "producer aborted", first=True)
@@ -242,27 +219,27 @@ class Consumer:
             record_transfer(self.ctx.stats, r.clock.transferred - r.clock.posted, nbytes,
                             len(r.job.local_block_ids))
             if r.aborted:
-                self._send_release(r)
+                self.send.release(r)
                 self._finish(r, ok=False)
             else:
                 self._set(r, RecvState.CONFIRM)
-                self._send_confirm(r, now)
+                self.send.confirm(r, now)
             return
         for pc, st in zip(posted, sts):  # FAILED and quiesced: no late byte can land any more
             if st.state is kvt.State.FAILED:
                 r.fail(Cause.TRANSPORT, f"read from producer rank {pc.piece.producer_rank} failed: {st.reason}",
                        first=True)
                 self._reset_peer(r.job.host, pc.port)
-        self._send_release(r)
+        self.send.release(r)
         self._finish(r, ok=False)
 
     def _advance_confirm(self, r: Recv, now: float, gave_up: bool) -> None:
         if gave_up:
             r.fail(Cause.TIMEOUT, "no confirmation from the producer before the deadline", first=True)
-            self._send_release(r)
+            self.send.release(r)
             self._finish(r, ok=False)
         elif now - r.last_sent > 0.05:
-            self._send_confirm(r, now)
+            self.send.confirm(r, now)
 
     def _advance_write_wait(self, r: Recv, now: float, gave_up: bool) -> None:
         written = r.written
@@ -274,11 +251,11 @@ class Consumer:
             r.fail(Cause.TIMEOUT, "write not received before the deadline", first=True)
             self._start_giving_up(r)
         elif now - r.last_sent > 0.5:
-            self._send_write_req(r, now)  # idempotent on the producer
+            self.send.write_req(r, now)  # idempotent on the producer
 
     def _advance_cancel(self, r: Recv, now: float, gave_up: bool) -> None:
         if now - r.last_sent > 0.05:
-            self._send_cancel(r, now)
+            self.send.cancel(r, now)
         if self._writers_gone(r):
             # Every process that could write into our blocks has exited: a dead process
             # cannot write ("the producer is known gone").
@@ -303,7 +280,7 @@ class Consumer:
         r.clock.posted = now
         if job.mode == "write":
             self._set(r, RecvState.WRITE_WAIT)
-            self._send_write_req(r, now)
+            self.send.write_req(r, now)
             return
         ours = self.ctx.layout.kv_heads if self.ctx.layout is not None else 0
         for pc, p in zip(r.pieces, conns):
@@ -339,56 +316,16 @@ class Consumer:
         if p is not None and p.state == "ready":
             p.state = "new"
 
-    def _send_confirm(self, r: Recv, now: float) -> None:
-        for pc in r.pieces:
-            if pc.answer != "ok":
-                pc.cid = self.peer(r.job.host, pc.port).client.send(
-                    Done(keys=[r.job.key], instance=pc.instance, rank=self.ctx.tp_rank, readers=pc.readers))
-        r.last_sent = now
-
-    def _send_write_req(self, r: Recv, now: float) -> None:
-        ours = self.ctx.layout.kv_heads if self.ctx.layout is not None else 0
-        r.write_requested = True  # before it leaves: from now on only the producer frees us
-        for pc in r.pieces:
-            if pc.written is not None:
-                continue
-            p = self.peer(r.job.host, pc.port)
-            writer = p.kvt_peer if p.state == "ready" else None
-            if not any(w is writer for w in pc.writers):
-                pc.writers.append(writer)
-            piece = pc.piece
-            whole = piece.num_heads in (0, ours) and (p.info is None or piece.num_heads in (0, p.info.kv_heads))
-            pc.cid = p.client.send(WriteReq(
-                key=r.job.key, block_ids=list(r.job.local_block_ids), engine_id=self.ctx.name,
-                reply_host=self.ctx.cfg.side_channel_host, reply_port=self.ctx.port, rank=self.ctx.tp_rank,
-                readers=pc.readers, src_head=0 if whole else piece.remote_head,
-                dst_head=0 if whole else piece.local_head, num_heads=0 if whole else piece.num_heads))
-        r.last_sent = now
-
-    def _send_cancel(self, r: Recv, now: float) -> None:
-        for pc in r.pieces:
-            if pc.answer != "acked" and pc.writers:
-                pc.cid = self.peer(r.job.host, pc.port).client.send(
-                    Cancel(keys=[r.job.key], rank=self.ctx.tp_rank, readers=pc.readers))
-        r.last_sent = now
-
-    def _send_release(self, r: Recv) -> None:
-        """READ: tell every producer rank of our pieces we will not read (any more)."""
-        for pc in r.pieces:
-            self.ctx.client_to(r.job.host, pc.port).send(
-                Release(keys=[r.job.key], rank=self.ctx.tp_rank, readers=pc.readers))
-        self._release_unread(r)
-
     def _start_giving_up(self, r: Recv) -> None:
         """Stop waiting for ``r``. READ: tell the producer ranks to free. WRITE: they may
         still write into our blocks, so cancel and keep them until each acks."""
         if r.job.mode == "write" and r.write_requested:
             self._set(r, RecvState.CANCEL)
-            self._send_cancel(r, time.monotonic())
+            self.send.cancel(r, time.monotonic())
             if all(not pc.writers for pc in r.pieces):
                 self._finish(r, ok=False)
         else:
-            self._send_release(r)
+            self.send.release(r)
             self._finish(r, ok=False)
 
     def _finish(self, r: Recv, ok: bool) -> None:

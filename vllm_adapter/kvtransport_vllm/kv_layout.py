@@ -22,17 +22,22 @@ if TYPE_CHECKING:  # .messages imports vLLM; this module (and .staging) must imp
     from .messages import LayoutInfo
 
 __all__ = ["KVLayoutError", "LayerMem", "describe_kv_caches", "check_uniform", "remote_layouts", "block_segments",
-           "head_slice", "HEADS_OUTER", "TOKENS_OUTER", "AMBIGUOUS"]
+           "head_slice", "HEADS_OUTER", "TOKENS_OUTER", "KV_OUTER", "AMBIGUOUS"]
 
 #: inside a block, each head's tokens are one byte range (vLLM's CPU layout
-#: ``[num_blocks, kv_heads, block_size, 2*head_size]``, FlashInfer / "HND"): a head range
+#: ``[num_blocks, kv_heads, block_size, 2*head_size]``; head-major "HND" GPU blocks): a head range
 #: of a block is one byte range too, so heterogeneous TP slices it without copying
 HEADS_OUTER = "heads-outer"
 #: inside a block, each token holds all heads (FlashAttention's
 #: ``[2, num_blocks, block_size, kv_heads, head_size]``, "NHD"): a head range is scattered
 #: over every token, so it cannot be moved as one range per block
 TOKENS_OUTER = "tokens-outer"
-#: block_size equals the rank's KV head count, so the sizes cannot tell heads from tokens
+#: K and V halves inside each block, heads inside them (e.g. a head-major layout
+#: ``[num_blocks, 2, kv_heads, block_size, head_size]`` by stride): a head range is two
+#: byte ranges per block; not sliced (refused across TP sizes)
+KV_OUTER = "kv-outer"
+#: the sizes cannot tell heads from tokens (block_size equals the rank's KV head count)
+#: or from the K/V pair (2 heads per rank next to a K/V dimension): not sliced
 AMBIGUOUS = "ambiguous"
 
 
@@ -53,7 +58,7 @@ class LayerMem:
     kind: str = "cpu"  # memory kind the agent registers it as: "cpu", "cuda" or "rocm"
     device: int = -1  # device index for device memory, -1 for CPU memory
     block_dim: int = 0  # the tensor dimension that indexes blocks (host staging copies along it)
-    attn_layout: str = ""  # HEADS_OUTER, TOKENS_OUTER, AMBIGUOUS, or "" (head count not given)
+    attn_layout: str = ""  # HEADS_OUTER, TOKENS_OUTER, KV_OUTER, AMBIGUOUS, "other", "" (heads not given)
 
 
 def describe_kv_caches(kv_caches: dict[str, Any], num_blocks: int, kv_heads: int = 0,
@@ -103,11 +108,13 @@ def _attn_layout(inner_sizes: list[int], kv_heads: int, block_size: int) -> str:
         return ""
     if kv_heads == 1:
         return HEADS_OUTER  # one head: the whole block is that head's range
-    if kv_heads == block_size:
+    if kv_heads == block_size or (kv_heads == 2 and inner_sizes.count(2) > 1):
         return AMBIGUOUS
     if inner_sizes[0] == kv_heads:
         return HEADS_OUTER
-    return TOKENS_OUTER
+    if inner_sizes[0] == block_size:
+        return TOKENS_OUTER
+    return KV_OUTER if inner_sizes[0] == 2 else "other"
 
 
 def check_uniform(layers: list[LayerMem]) -> None:
