@@ -25,8 +25,7 @@ from typing import Any
 
 import torch
 
-import harness  # noqa: F401  (environment: offline, secret)
-from harness import EOS
+from harness import EOS  # also sets the environment every engine here needs (offline, secret)
 from vllm import SamplingParams
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
@@ -130,6 +129,8 @@ class TPEngine:
         self.outputs: list[Any] = []
         self.first_start: dict[str, int] = {}
         self.last_outputs: list[Any] = []
+        #: every counter each rank's connector reported (vLLM's get_kv_connector_stats)
+        self.totals: list[dict[str, float]] = [{} for _ in range(tp)]
 
     def _config(self, kv_role: str, extra: dict[str, Any], policy: str) -> Any:
         """harness.make_vllm_config's real VllmConfig, for a model of ``total`` KV heads."""
@@ -196,11 +197,15 @@ class TPEngine:
                 self._compute_kv(so, before)
             w.wait_for_save()
             res = w.get_transfer_results(so.finished_req_ids)
+            stats = w.get_kv_connector_stats()
+            for k, v in (stats.data.items() if stats is not None else ()):
+                if isinstance(v, (int, float)):
+                    self.totals[r][k] = self.totals[r].get(k, 0) + v
             kvo = KVConnectorOutput(finished_sending=res.finished_sending or None,
                                     finished_recving=res.finished_recving or None,
                                     failed_recving=res.failed_recving,
                                     invalid_block_ids=w.get_block_ids_with_load_errors(),
-                                    kv_connector_stats=w.get_kv_connector_stats())
+                                    kv_connector_stats=stats)
             w.clear_connector_metadata()
             outs.append(ModelRunnerOutput(req_ids=rows, req_id_to_index={x: i for i, x in enumerate(rows)},
                                           sampled_token_ids=[list(s) for s in sampled], logprobs=None,
@@ -215,6 +220,10 @@ class TPEngine:
                 if o.kv_transfer_params is not None:
                     params[o.request_id] = o.kv_transfer_params
         return params
+
+    def counter(self, key: str) -> float:
+        """A counter summed over every step and rank."""
+        return sum(t.get(key, 0) for t in self.totals)
 
     def finish_reason(self, rid: str) -> str | None:
         return next((str(o.finish_reason) for o in self.outputs if o.request_id == rid and o.finish_reason), None)
