@@ -223,7 +223,7 @@ class Consumer:
                 self._finish(r, ok=False)
             else:
                 self._set(r, RecvState.CONFIRM)
-                self.send.confirm(r, now)
+                self._send_confirm(r, now)
             return
         for pc, st in zip(posted, sts):  # FAILED and quiesced: no late byte can land any more
             if st.state is kvt.State.FAILED:
@@ -239,7 +239,7 @@ class Consumer:
             self.send.release(r)
             self._finish(r, ok=False)
         elif now - r.last_sent > 0.05:
-            self.send.confirm(r, now)
+            self._send_confirm(r, now)
 
     def _advance_write_wait(self, r: Recv, now: float, gave_up: bool) -> None:
         written = r.written
@@ -315,6 +315,11 @@ class Consumer:
         p = self.peers.get((host, port))
         if p is not None and p.state == "ready":
             p.state = "new"
+
+    def _send_confirm(self, r: Recv, now: float) -> None:
+        """"Done with key?" to every producer rank of ``r`` not yet ``ok`` (the seam the
+        soak tests patch to lose confirmations)."""
+        self.send.confirm(r, now)
 
     def _start_giving_up(self, r: Recv) -> None:
         """Stop waiting for ``r``. READ: tell the producer ranks to free. WRITE: they may
