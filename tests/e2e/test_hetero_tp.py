@@ -53,7 +53,8 @@ def _build_model4(out: Path) -> Path:
         return out
     _build_tokenizer(out)
     vocab = len(json.loads((out / "tokenizer.json").read_text())["model"]["vocab"])
-    config = LlamaConfig(vocab_size=max(vocab, 8), hidden_size=KV_HEADS * HEAD_DIM, intermediate_size=2 * KV_HEADS * HEAD_DIM,
+    config = LlamaConfig(vocab_size=max(vocab, 8), hidden_size=KV_HEADS * HEAD_DIM,
+                         intermediate_size=2 * KV_HEADS * HEAD_DIM,
                          num_hidden_layers=2, num_attention_heads=KV_HEADS, num_key_value_heads=KV_HEADS,
                          head_dim=HEAD_DIM, max_position_embeddings=MAX_POSITIONS, initializer_range=INIT_STD,
                          bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype="float32")

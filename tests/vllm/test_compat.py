@@ -179,3 +179,29 @@ def test_decode_status_while_refused_is_never_running_before_failure():
     finally:
         P.close()
         C.close()
+
+
+def test_router_dropping_tp_size_is_refused_naming_the_key(caplog):
+    """Without ``tp_size`` the decode engine assumes its own TP size; a prefill engine of
+    another size is refused at the hand-shake (no byte moves), naming the key to forward."""
+    caplog.set_level(logging.WARNING, logger="kvtransport_vllm.consumer")
+    P, C = _pair("read", 2, 1, policy="recompute")
+    try:
+        prompt = prompt_of(48, seed=6)
+        params: dict = {}
+        P.add("p", prompt, 1, {"do_remote_decode": True})
+        run_until([P], lambda: "p" in params, on_params=params.update)
+        dropped = {k: v for k, v in params["p"].items() if k != "tp_size"}
+        C.add("c", prompt, 2, dropped)
+        run_until([P, C], lambda: "c" not in C.scheduler.requests)
+        assert C.finish_reason("c") == "length" and C.first_start["c"] == 0  # recomputed
+        why = [r.getMessage() for r in caplog.records if "load of request c " in r.getMessage()]
+        assert len(why) == 1 and "has tp_size 2 but kv_transfer_params said nothing" in why[0], why
+        assert "forward the producer's tp_size" in why[0]
+        assert C.counter("bytes") == 0
+        # both prefill ranks freed the prompt's blocks at once (the lease is far longer)
+        run_until([P, C], lambda: not P.scheduler.requests)
+        assert P.free_blocks() == P.free0 and C.free_blocks() == C.free0
+    finally:
+        P.close()
+        C.close()

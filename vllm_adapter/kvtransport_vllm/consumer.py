@@ -197,10 +197,15 @@ class Consumer:
             r.fail(Cause.HANDSHAKE_REFUSED, failed.error)
             self._start_giving_up(r)
         elif wrong_tp is not None:
+            theirs = wrong_tp.info.tp_size  # type: ignore[union-attr]
+            # free every producer rank at once: each by one consumer rank (q mod our TP size)
+            d = max(1, self.ctx.tp_size)
+            r.releases = {job.port + q: 1 for q in range(theirs)
+                          if q % d == self.ctx.tp_rank and all(pc.piece.producer_rank != q for pc in r.pieces)}
             r.fail(Cause.HANDSHAKE_REFUSED,
-                   f"producer {wrong_tp.engine_name} at {wrong_tp.host}:{wrong_tp.port} has tp_size "
-                   f"{wrong_tp.info.tp_size} but kv_transfer_params said {job.remote_tp or 'nothing'} "  # type: ignore[union-attr]
-                   f"(assumed {expected}); the router must forward the producer's tp_size")
+                   f"producer {wrong_tp.engine_name} at {wrong_tp.host}:{wrong_tp.port} has tp_size {theirs} but "
+                   f"kv_transfer_params said {job.remote_tp or 'nothing'} (assumed {expected}); the router must "
+                   "forward the producer's tp_size")
             self._start_giving_up(r)
         elif all(p.state == "ready" for p in conns):
             self._start(r, conns, now)

@@ -93,7 +93,8 @@ class SideChannelHandlers:
         assert layout is not None
         diff = refusal(layout, msg.layout, "prefill", "decode")
         if diff:
-            return Error(code="layout", message=f"KV layout mismatch (incompatible KV caches) with {self.ctx.name}, no byte moved: {diff}")
+            return Error(code="layout", message=f"KV layout mismatch (incompatible KV caches) with {self.ctx.name}, "
+                                                f"no byte moved: {diff}")
         with self.ctx.lock:
             self.producer.on_hello(msg)
         return Welcome(engine_id=self.ctx.name, agent_md=self.ctx.agent_md, layout=layout)

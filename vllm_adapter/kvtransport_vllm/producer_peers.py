@@ -88,8 +88,8 @@ class ProducerPeers:
         assert self.ctx.layout is not None
         diff = refusal(self.ctx.layout, msg.layout, "decode", "prefill")
         if diff:
-            p.fail(f"KV layout mismatch (incompatible KV caches) with producer {msg.engine_id} at {p.host}:{p.port}, no byte moved: "
-                   f"{diff}")
+            p.fail(f"KV layout mismatch (incompatible KV caches) with producer {msg.engine_id} at "
+                   f"{p.host}:{p.port}, no byte moved: {diff}")
             return
         try:
             peer = self.ctx.agent.connect(msg.agent_md)
