@@ -142,8 +142,10 @@ def test_hetero_tp_greedy_matches_single_engine_kv_remote_usage_back_to_zero(p, 
                                                                               baseline4, log_dir):
     tag = f"tp{p}to{d}-{mode}"
     env = {"KVTRANSPORT_SECRET": secrets.token_hex(16)}
-    # side-channel bases with a free port for every TP rank (rank r listens on base + r)
-    pre_port, dec_port = _free_base(p), _free_base(d)
+    # side-channel bases from ONE free range, so no decode rank's port can be the prefill's
+    # (rank r listens on base + r)
+    pre_port = _free_base(p + d + 1)
+    dec_port = pre_port + p + 1
     prefill = _engine(f"prefill-{tag}", model4, log_dir, p, "kv_producer", mode, pre_port, env)
     decode = _engine(f"decode-{tag}", model4, log_dir, d, "kv_consumer", mode, dec_port, env)
     proxy = harness.proxy_process(f"proxy-{tag}", log_dir, prefill.url, decode.url,
