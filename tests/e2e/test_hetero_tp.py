@@ -107,11 +107,17 @@ def baseline4(model4, vocab4, log_dir) -> dict[tuple[int, ...], list[int]]:
 
 
 def _free_base(n: int) -> int:
-    """A port with ``n`` consecutive free ports from it."""
+    """A port with ``n`` consecutive free ports from it, below the kernel's ephemeral range:
+    vLLM's engines pick their own internal ports (a TP=2 engine several) by binding port 0,
+    i.e. from that range, and one of them took a side-channel port chosen there before the
+    engines started (seen: "Address already in use" at start-up)."""
+    import random
     import socket
 
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
+        if Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 32768
     for _ in range(100):
-        base = harness.free_port()
+        base = random.randrange(max(1024, low - 12000), low - n)
         try:
             for port in range(base, base + n):
                 with socket.socket() as s:
