@@ -85,6 +85,10 @@ class Hold:
     write_ok: bool = False
     write_reason: str = ""
     notify_cid: int = 0
+    #: every "written" sent for the current destination: a reply to any of them is its
+    #: consumer's word (resent every 50 ms, so under load the reply to the latest one may
+    #: never come first; with several destinations the next write waits for that word)
+    notify_cids: set[int] = field(default_factory=set)
     last_sent: float = 0.0
     posted_at: float = 0.0  # WRITE: when the write was posted (its transfer time)
     #: consumer ranks this hold waits for (several read from us when their TP is larger)
@@ -193,6 +197,7 @@ class Producer:
                 assert h.dest is not None
                 h.notify_cid = self.ctx.client_to(h.dest.host, h.dest.port).send(
                     Written(key=h.key, ok=h.write_ok, reason=h.write_reason, rank=self.ctx.tp_rank))
+                h.notify_cids.add(h.notify_cid)
                 h.last_sent = now
             with self.ctx.lock:
                 if now >= h.expiry and h.key in self.holds:  # consumer never acked: gone
@@ -288,7 +293,7 @@ class Producer:
         with self.ctx.lock:
             for key, status in msg.status.items():
                 h = self.holds.get(key)
-                if h is None or h.state is not HoldState.NOTIFY or h.notify_cid != msg.cid:
+                if h is None or h.state is not HoldState.NOTIFY or msg.cid not in h.notify_cids:
                     continue
                 self._dest_done(h, "done" if status == "ok" else "released")
 
@@ -302,6 +307,7 @@ class Producer:
             return
         h.dest = h.queue.pop(0) if h.queue else None
         h.state, h.write, h.write_ok, h.write_reason, h.notify_cid = HoldState.HELD, None, False, "", 0
+        h.notify_cids = set()
 
     # ------------------------------------------------------------------ side-channel thread
     # Each answer_* is called with the lock held, per key, and returns the key's status.
