@@ -65,9 +65,14 @@ def test_incomplete_params_name_the_missing_keys():
     ok = parse_remote_source({"remote_engine_id": "P", "remote_request_id": "q", "remote_host": "h",
                               "remote_port": 1}, "r1", "write")
     assert ok.remote_block_ids == []
-    with pytest.raises(KVTransferParamsError, match="tp_size 2 differs"):
+    # a producer TP size other than ours is a heterogeneous-TP load (issue 14; whether the
+    # heads map is decided at the hand-shake); one that is no TP size is refused here
+    hetero = parse_remote_source({"remote_engine_id": "P", "remote_request_id": "q", "remote_host": "h",
+                                  "remote_port": 1, "tp_size": 2}, "r1", "write", tp_size=1)
+    assert hetero.remote_tp == 2
+    with pytest.raises(KVTransferParamsError, match="tp_size 0 is not a TP size"):
         parse_remote_source({"remote_engine_id": "P", "remote_request_id": "q", "remote_host": "h",
-                             "remote_port": 1, "tp_size": 2}, "r1", "write", tp_size=1)
+                             "remote_port": 1, "tp_size": 0}, "r1", "write", tp_size=1)
 
 
 # ---------------------------------------------------------------------------- scheduler pairs

@@ -17,7 +17,7 @@ from zmq.utils.monitor import recv_monitor_message
 from harness import free_port_base
 from kvtransport.auth import Authenticator
 from kvtransport_vllm.config import AUTH_CHANNEL
-from kvtransport_vllm.messages import Done, Error, Renew, Reply, decode, encode
+from kvtransport_vllm.messages import PROTOCOL_VERSION, Done, Error, Renew, Reply, decode, encode
 from kvtransport_vllm.side_channel import SideChannelClient, SideChannelServer, TokenBucket
 
 pytestmark = pytest.mark.timeout(60)
@@ -133,7 +133,7 @@ def test_malformed_body_with_valid_seal_refused(server):
 
 def test_unknown_field_refused(server):
     port, srv, seen = server
-    body = msgspec.msgpack.encode({"t": "renew", "v": 1, "cid": 3, "keys": ["a"], "token": "x"})
+    body = msgspec.msgpack.encode({"t": "renew", "v": PROTOCOL_VERSION, "cid": 3, "keys": ["a"], "token": "x"})
     r = decode(_raw(port, _auth().seal(body, "req")))
     assert isinstance(r, Error) and r.code == "malformed" and "token" in r.message and not seen
 

@@ -57,6 +57,25 @@ def _tp_info() -> tuple[int, int]:
         return 0, 1
 
 
+def _model_info(vllm_config: VllmConfig) -> Any:
+    """What the hand-shake compares about the model: the served name (what a router sends
+    both engines; a local path may differ between hosts), dtype and KV head geometry.
+    None for configs without a model (tools)."""
+    from .worker import ModelInfo
+
+    mc = getattr(vllm_config, "model_config", None)
+    if mc is None:
+        return None
+    names = mc.served_model_name
+    name = names[0] if isinstance(names, (list, tuple)) else names
+    if getattr(mc, "use_mla", False):
+        total = 1  # MLA: one latent "head", identical on every rank (tp_mapping's replicated case)
+    else:
+        total = mc.get_total_num_kv_heads()
+    return ModelInfo(str(name or mc.model), str(mc.dtype).removeprefix("torch."), int(total),
+                     int(mc.get_num_kv_heads(vllm_config.parallel_config)), int(mc.get_head_size()))
+
+
 class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -96,7 +115,7 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
             if dtype == "auto":
                 dtype = str(vllm_config.model_config.dtype)
             self._worker = KVTransportWorker(self.cfg, block_size, num_blocks, dtype, tp_rank, tp_size,
-                                             dp_rank)
+                                             dp_rank, _model_info(vllm_config))
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:

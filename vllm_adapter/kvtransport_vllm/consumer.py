@@ -21,65 +21,25 @@ The producer keeps its side (no ack while its write is POSTING or POSTED, see
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import kvtransport as kvt
 
 from .context import WorkerContext
+from .kv_layout import block_segments, head_slice
 from .load_stats import Cause, LoadClock, record_load, record_transfer
+from .load_messages import LoadMessages, plan_ranks
+from .messages import Msg, RecvJob, Renew, Reply, Written
 from .producer_peers import PeerConn, ProducerPeers
-from .kv_layout import block_segments
-from .messages import Cancel, Done, Msg, RecvJob, Release, Renew, Reply, WriteReq, Written
+from .recv import WANTS, PieceLoad, Recv, RecvState
+from .tp_mapping import TPMappingError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RecvState", "Recv", "PeerConn", "Consumer"]
-
-
-class RecvState(enum.Enum):
-    CONNECT = "connect"  # hand-shaking with the producer
-    READ = "read"  # READ posted
-    CONFIRM = "confirm"  # bytes read; asking the producer "done with key?"
-    WRITE_WAIT = "write_wait"  # asked the producer to write; waiting for "written"
-    CANCEL = "cancel"  # gave up after asking for a write: waiting for the producer's ack
-    FINISHED = "finished"  # reported to vLLM (done_recving); blocks may be reused
-
-
-#: states in which the consumer still wants the key: its lease is renewed
-_WANTS = (RecvState.CONNECT, RecvState.READ, RecvState.CONFIRM, RecvState.WRITE_WAIT)
-
-
-@dataclass
-class Recv:
-    job: RecvJob
-    deadline: float
-    started: float
-    state: RecvState = RecvState.CONNECT
-    transfer: Any = None
-    cid: int = 0
-    last_sent: float = 0.0
-    error: str = ""
-    aborted: bool = False  # vLLM finished the request (abort) while loading
-    peer_aborted: bool = False
-    written: bool | None = None  # WRITE mode: producer's verdict
-    write_requested: bool = False
-    instance: str = ""  # READ mode: producer agent instance the bytes were read from
-    # WRITE mode: the producer processes our write requests reached (None: sent while the
-    # hand-shake was not complete, so the receiving process is unknown).
-    writers: list = field(default_factory=list)
-    clock: LoadClock | None = None  # moments of this load, for its phase timings
-    cause: Cause = Cause.OK  # why it failed (the first cause named wins)
-
-    def fail(self, cause: Cause, error: str, first: bool = False) -> None:
-        """Name why this load fails; ``first``: keep an earlier reason if there is one."""
-        if first and self.error:
-            return
-        self.cause, self.error = cause, error
+__all__ = ["RecvState", "Recv", "PieceLoad", "PeerConn", "Consumer", "plan_ranks"]
 
 
 class Consumer:
@@ -90,6 +50,7 @@ class Consumer:
         self.recv: dict[str, Recv] = {}  # req_id -> load
         self.recv_by_key: dict[str, str] = {}  # key -> req_id
         self.producers = ProducerPeers(ctx)
+        self.send = LoadMessages(ctx, self.producers)
         self.peers: dict[tuple[str, int], PeerConn] = self.producers.peers
         self.done_recving: set[str] = set()
         #: loads that ended, until ``report`` records their outcome and phases
@@ -117,6 +78,18 @@ class Consumer:
                 self._finish(r, ok=False)
                 continue
             self.recv_by_key[job.key] = job.req_id
+            try:
+                pieces, ranks = plan_ranks(self.ctx, job.remote_tp)
+            except TPMappingError as exc:
+                # no byte can move; free every producer rank we are one of the releasers of
+                r.fail(Cause.HANDSHAKE_REFUSED, f"cannot map KV heads: {exc}")
+                d = max(1, self.ctx.tp_size)
+                r.releases = {job.port + q: 1 for q in range(job.remote_tp or d) if q % d == self.ctx.tp_rank}
+                self._finish(r, ok=False)
+                self.send.release_unread(r)
+                continue
+            r.pieces = [PieceLoad(pc, job.port + pc.producer_rank, ranks[pc.producer_rank]) for pc in pieces]
+            r.releases = {job.port + q: n for q, n in ranks.items() if all(pc.producer_rank != q for pc in pieces)}
 
     def mark_aborted(self, req_ids: set[str] | frozenset[str]) -> None:
         with self.ctx.lock:
@@ -127,7 +100,7 @@ class Consumer:
                     r.fail(Cause.ABORTED, "request aborted", first=True)
 
     def peer(self, host: str, port: int) -> PeerConn:
-        """Our connection to the producer worker of our rank (hand-shake sent if due)."""
+        """Our connection to the producer worker at ``port`` (hand-shake sent if due)."""
         return self.producers.get(host, port)
 
     def poll_replies(self) -> list[Msg]:
@@ -135,38 +108,46 @@ class Consumer:
         return self.producers.poll()
 
     def on_reply(self, msg: Msg) -> None:
-        """A producer's per-key answer to our Done / WriteReq / Cancel."""
+        """A producer rank's per-key answer to our Done / WriteReq / Cancel (matched to the
+        piece by the exchange's cid)."""
         if not isinstance(msg, Reply):
             return
         with self.ctx.lock:
             for key, status in msg.status.items():
                 rid = self.recv_by_key.get(key)
                 r = self.recv.get(rid) if rid else None
-                if r is None or r.cid != msg.cid:
+                pc = r.piece_by_cid(msg.cid) if r is not None else None
+                if r is None or pc is None:
                     continue  # late or duplicate reply: dropped (R3)
-                self._on_status(r, status)
+                self._on_status(r, pc, status)
 
-    def _on_status(self, r: Recv, status: str) -> None:
+    def _on_status(self, r: Recv, pc: PieceLoad, status: str) -> None:
         if r.state is RecvState.CONFIRM:
             if status == "ok":
-                self._finish(r, ok=True)
+                pc.answer = "ok"
+                if all(x.answer == "ok" for x in r.pieces):
+                    self._finish(r, ok=True)
             elif status == "expired":
                 r.fail(Cause.LEASE_EXPIRED, "producer lease expired before confirmation (stale read refused)")
+                self.send.release(r)
                 self._finish(r, ok=False)
             elif status == "aborted":
                 r.peer_aborted = True
                 r.fail(Cause.PEER_ABORTED, "producer aborted the request")
+                self.send.release(r)
                 self._finish(r, ok=False)
             elif status == "stale":
                 # we read from a previous incarnation of the producer (restarted at this
                 # address): those bytes are not its; hand-shake again
                 r.fail(Cause.STALE_READ, "producer restarted since the hand-shake (stale read refused)")
-                self._reset_peer(r.job)
-                self._send_release(r.job)
+                self._reset_peer(r.job.host, pc.port)
+                self.send.release(r)
                 self._finish(r, ok=False)
             # "pending": the producer has not learnt of the key yet; resend later
         elif r.state is RecvState.CANCEL and status in ("acked", "expired"):
-            self._finish(r, ok=False)  # the producer's word: no write can land any more
+            pc.answer = "acked"  # this producer rank's word: none of its writes can land any more
+            if all(x.answer == "acked" or not x.writers for x in r.pieces):
+                self._finish(r, ok=False)
         elif r.state is RecvState.WRITE_WAIT and status in ("expired", "aborted"):
             if status == "aborted":  # same cause as the producer's Aborted notice
                 r.peer_aborted = True
@@ -177,8 +158,8 @@ class Consumer:
         elif r.state is RecvState.WRITE_WAIT and status == "hello":
             # the producer does not know us (it restarted): hand-shake again; the write
             # request is re-sent until the deadline
-            self._reset_peer(r.job)
-            self.peer(r.job.host, r.job.port)
+            self._reset_peer(r.job.host, pc.port)
+            self.peer(r.job.host, pc.port)
 
     def advance(self, now: float) -> None:
         with self.ctx.lock:
@@ -190,69 +171,96 @@ class Consumer:
 
     def _advance_connect(self, r: Recv, now: float, gave_up: bool) -> None:
         job = r.job
+        self.send.release_unread(r)
         if gave_up:
             if r.peer_aborted:
                 r.fail(Cause.PEER_ABORTED, "producer aborted", first=True)
             r.fail(Cause.TIMEOUT, "timed out before connecting", first=True)
             self._start_giving_up(r)
             return
-        p = self.peer(job.host, job.port)
-        if ((p.state == "ready" or (p.state == "failed" and p.failed_at < r.started)) and job.remote_engine_id
-                and p.engine_name != f"{job.remote_engine_id}-tp{self.ctx.tp_rank}"):
-            # another producer now answers at this address (restarted), or the hand-shake
-            # failed before this load began: hand-shake again (once per load: a hand-shake
-            # that fails during this load ends it with the reason, not by its deadline)
-            p.state = "new"
-            p = self.peer(job.host, job.port)
-        if p.state == "failed":
-            r.fail(Cause.HANDSHAKE_REFUSED, p.error)
+        conns = []
+        for pc in r.pieces:
+            p = self.peer(job.host, pc.port)
+            if ((p.state == "ready" or (p.state == "failed" and p.failed_at < r.started)) and job.remote_engine_id
+                    and p.engine_name != f"{job.remote_engine_id}-tp{pc.piece.producer_rank}"):
+                # another producer now answers at this address (restarted), or the hand-shake
+                # failed before this load began: hand-shake again (once per load: a hand-shake
+                # that fails during this load ends it with the reason, not by its deadline)
+                p.state = "new"
+                p = self.peer(job.host, pc.port)
+            conns.append(p)
+        failed = next((p for p in conns if p.state == "failed"), None)
+        expected = job.remote_tp or self.ctx.tp_size
+        wrong_tp = next((p for p in conns if p.state == "ready" and p.info is not None
+                         and p.info.tp_size != expected), None)
+        if failed is not None:
+            r.fail(Cause.HANDSHAKE_REFUSED, failed.error)
             self._start_giving_up(r)
-        elif p.state == "ready":
-            self._start(r, p, now)
+        elif wrong_tp is not None:
+            theirs = wrong_tp.info.tp_size  # type: ignore[union-attr]
+            # free every producer rank at once: each by one consumer rank (q mod our TP size)
+            d = max(1, self.ctx.tp_size)
+            r.releases = {job.port + q: 1 for q in range(theirs)
+                          if q % d == self.ctx.tp_rank and all(pc.piece.producer_rank != q for pc in r.pieces)}
+            r.fail(Cause.HANDSHAKE_REFUSED,
+                   f"producer {wrong_tp.engine_name} at {wrong_tp.host}:{wrong_tp.port} has tp_size {theirs} but "
+                   f"kv_transfer_params said {job.remote_tp or 'nothing'} (assumed {expected}); the router must "
+                   "forward the producer's tp_size")
+            self._start_giving_up(r)
+        elif all(p.state == "ready" for p in conns):
+            self._start(r, conns, now)
 
     def _advance_read(self, r: Recv, now: float, gave_up: bool) -> None:
-        st = r.transfer.status()
-        if st.state is kvt.State.PENDING:
+        posted = [pc for pc in r.pieces if pc.transfer is not None]
+        sts = [pc.transfer.status() for pc in posted]
+        if any(st.state is kvt.State.PENDING for st in sts):
             return  # the core fails it by its deadline (T2)
-        if st.state is kvt.State.DONE:
+        if any(st.state is kvt.State.FAILED and not st.quiesced for st in sts):
+            return  # a late byte may still land (T3): wait until it cannot
+        if all(st.state is kvt.State.DONE for st in sts) and not r.post_failed:
             r.clock.transferred = time.monotonic()
-            self.ctx.stats["bytes"] += r.transfer.nbytes
-            record_transfer(self.ctx.stats, r.clock.transferred - r.clock.posted, r.transfer.nbytes,
+            nbytes = sum(pc.transfer.nbytes for pc in posted)
+            self.ctx.stats["bytes"] += nbytes
+            record_transfer(self.ctx.stats, r.clock.transferred - r.clock.posted, nbytes,
                             len(r.job.local_block_ids))
             if r.aborted:
-                self._send_release(r.job)
+                self.send.release(r)
                 self._finish(r, ok=False)
             else:
                 self._set(r, RecvState.CONFIRM)
                 self._send_confirm(r, now)
-        elif st.quiesced:  # FAILED; no late byte can land any more (T3)
-            r.fail(Cause.TRANSPORT, f"read failed: {st.reason}")
-            self._reset_peer(r.job)
-            self._send_release(r.job)
-            self._finish(r, ok=False)
+            return
+        for pc, st in zip(posted, sts):  # FAILED and quiesced: no late byte can land any more
+            if st.state is kvt.State.FAILED:
+                r.fail(Cause.TRANSPORT, f"read from producer rank {pc.piece.producer_rank} failed: {st.reason}",
+                       first=True)
+                self._reset_peer(r.job.host, pc.port)
+        self.send.release(r)
+        self._finish(r, ok=False)
 
     def _advance_confirm(self, r: Recv, now: float, gave_up: bool) -> None:
         if gave_up:
             r.fail(Cause.TIMEOUT, "no confirmation from the producer before the deadline", first=True)
-            self._send_release(r.job)
+            self.send.release(r)
             self._finish(r, ok=False)
         elif now - r.last_sent > 0.05:
             self._send_confirm(r, now)
 
     def _advance_write_wait(self, r: Recv, now: float, gave_up: bool) -> None:
-        if r.written is True:
+        written = r.written
+        if written is True:
             self._finish(r, ok=True)
-        elif r.written is False or gave_up:
-            if r.written is False:
+        elif written is False or gave_up:
+            if written is False:
                 r.fail(Cause.TRANSPORT, "producer write failed", first=True)
             r.fail(Cause.TIMEOUT, "write not received before the deadline", first=True)
             self._start_giving_up(r)
         elif now - r.last_sent > 0.5:
-            self._send_write_req(r, now)  # idempotent on the producer
+            self.send.write_req(r, now)  # idempotent on the producer
 
     def _advance_cancel(self, r: Recv, now: float, gave_up: bool) -> None:
         if now - r.last_sent > 0.05:
-            self._send_cancel(r, now)
+            self.send.cancel(r, now)
         if self._writers_gone(r):
             # Every process that could write into our blocks has exited: a dead process
             # cannot write ("the producer is known gone").
@@ -266,77 +274,68 @@ class Consumer:
             self._finish(r, ok=False)
 
     def _writers_gone(self, r: Recv) -> bool:
-        if not r.writers or any(w is None for w in r.writers):
+        """Every producer rank still unacknowledged that may write to us has exited."""
+        open_ = [w for pc in r.pieces if pc.answer != "acked" for w in pc.writers]
+        if not open_ or any(w is None for w in open_):
             return False
-        return all(self.ctx.agent.peer_alive(w) is False for w in r.writers)
+        return all(self.ctx.agent.peer_alive(w) is False for w in open_)
 
-    def _start(self, r: Recv, p: PeerConn, now: float) -> None:
+    def _start(self, r: Recv, conns: list[PeerConn], now: float) -> None:
         job = r.job
         r.clock.posted = now
         if job.mode == "write":
             self._set(r, RecvState.WRITE_WAIT)
-            self._send_write_req(r, now)
+            self.send.write_req(r, now)
             return
-        local = block_segments(self.ctx.local_layouts, job.local_block_ids)
-        try:
-            remote = block_segments(p.layouts, job.remote_block_ids)
-            # the READ's own deadline is the load's (read the clock now: ``now`` was taken at
-            # the start of this progress call, and the core adds the timeout to its clock)
-            r.transfer = self.ctx.agent.read(p.kvt_peer, local, remote,
-                                             timeout=max(0.001, r.deadline - time.monotonic()))
-            r.instance = p.kvt_peer.instance
-        except kvt.errors.KVTransportError as exc:
-            r.fail(Cause.TRANSPORT, f"read refused: {exc}")
-            self._reset_peer(job)
-            self._send_release(job)
-            self._finish(r, ok=False)
-            return
-        self.ctx.stats["transfers"] += 1
+        ours = self.ctx.layout.kv_heads if self.ctx.layout is not None else 0
+        for pc, p in zip(r.pieces, conns):
+            piece = pc.piece
+            try:
+                n = piece.num_heads or ours
+                local = block_segments(head_slice(self.ctx.local_layouts, ours, piece.local_head, n),
+                                       job.local_block_ids)
+                theirs = p.info.kv_heads if p.info is not None else 0
+                remote = block_segments(head_slice(p.layouts, theirs, piece.remote_head, n or theirs),
+                                        job.remote_block_ids)
+                # the READ's own deadline is the load's (read the clock now: ``now`` was taken at
+                # the start of this progress call, and the core adds the timeout to its clock)
+                pc.transfer = self.ctx.agent.read(p.kvt_peer, local, remote,
+                                                  timeout=max(0.001, r.deadline - time.monotonic()))
+                pc.instance = p.kvt_peer.instance
+            except (kvt.errors.KVTransportError, ValueError) as exc:
+                r.fail(Cause.TRANSPORT, f"read refused: {exc}", first=True)
+                r.post_failed = True
+                self._reset_peer(job.host, pc.port)
+                break
+            self.ctx.stats["transfers"] += 1
         self._set(r, RecvState.READ)
         # A small READ often completes during the post (loopback, shared memory): confirm it
         # in this same step instead of one engine step later.
         self.ctx.agent.progress()
         self._advance_read(r, time.monotonic(), False)
 
-    def _reset_peer(self, job: RecvJob) -> None:
+    def _reset_peer(self, host: str, port: int) -> None:
         """After a failed transfer, hand-shake again before the next one (the producer may
         have restarted at the same address with new memory)."""
-        p = self.peers.get((job.host, job.port + self.ctx.tp_rank))
+        p = self.peers.get((host, port))
         if p is not None and p.state == "ready":
             p.state = "new"
 
     def _send_confirm(self, r: Recv, now: float) -> None:
-        p = self.peer(r.job.host, r.job.port)
-        r.cid = p.client.send(Done(keys=[r.job.key], instance=r.instance))
-        r.last_sent = now
-
-    def _send_write_req(self, r: Recv, now: float) -> None:
-        p = self.peer(r.job.host, r.job.port)
-        writer = p.kvt_peer if p.state == "ready" else None
-        if not any(w is writer for w in r.writers):
-            r.writers.append(writer)
-        r.write_requested = True  # before it leaves: from now on only the producer frees us
-        r.cid = p.client.send(WriteReq(key=r.job.key, block_ids=list(r.job.local_block_ids),
-                                       engine_id=self.ctx.name, reply_host=self.ctx.cfg.side_channel_host,
-                                       reply_port=self.ctx.port))
-        r.last_sent = now
-
-    def _send_cancel(self, r: Recv, now: float) -> None:
-        p = self.peer(r.job.host, r.job.port)
-        r.cid = p.client.send(Cancel(keys=[r.job.key]))
-        r.last_sent = now
-
-    def _send_release(self, job: RecvJob) -> None:
-        self.peer(job.host, job.port).client.send(Release(keys=[job.key]))
+        """"Done with key?" to every producer rank of ``r`` not yet ``ok`` (the seam the
+        soak tests patch to lose confirmations)."""
+        self.send.confirm(r, now)
 
     def _start_giving_up(self, r: Recv) -> None:
-        """Stop waiting for ``r``. READ: tell the producer to free. WRITE: the producer
-        may still write into our blocks, so cancel and keep them until it acks."""
+        """Stop waiting for ``r``. READ: tell the producer ranks to free. WRITE: they may
+        still write into our blocks, so cancel and keep them until each acks."""
         if r.job.mode == "write" and r.write_requested:
             self._set(r, RecvState.CANCEL)
-            self._send_cancel(r, time.monotonic())
+            self.send.cancel(r, time.monotonic())
+            if all(not pc.writers for pc in r.pieces):
+                self._finish(r, ok=False)
         else:
-            self._send_release(r.job)
+            self.send.release(r)
             self._finish(r, ok=False)
 
     def _finish(self, r: Recv, ok: bool) -> None:
@@ -375,8 +374,8 @@ class Consumer:
             confirming = [r for r in self.recv.values() if r.state is RecvState.CONFIRM]
             writes = [r for r in self.recv.values()
                       if r.state is RecvState.WRITE_WAIT and r.write_requested and r.written is None]
-        clients = {id(p.client): p.client for r in confirming
-                   if (p := self.peers.get((r.job.host, r.job.port + self.ctx.tp_rank))) is not None}
+        clients = {id(p.client): p.client for r in confirming for pc in r.pieces
+                   if (p := self.peers.get((r.job.host, pc.port))) is not None}
         return list(clients.values()), writes
 
     def report(self, req_ids: set[str], now: float) -> None:
@@ -388,17 +387,18 @@ class Consumer:
 
     def renew(self, now: float) -> None:
         """Renew the producer's lease on every key we still want (lifecycle: a slow but
-        live consumer never loses its KV)."""
+        live consumer never loses its KV); every producer rank of our pieces."""
         if now - self._last_renew < max(0.05, self.ctx.cfg.lease_s / 4):
             return
         self._last_renew = now
         by_peer: dict[tuple[str, int], list[str]] = {}
         with self.ctx.lock:
             for r in self.recv.values():
-                if r.state in _WANTS:
-                    by_peer.setdefault((r.job.host, r.job.port), []).append(r.job.key)
+                if r.state in WANTS:
+                    for pc in r.pieces:
+                        by_peer.setdefault((r.job.host, pc.port), []).append(r.job.key)
         for (host, port), keys in by_peer.items():
-            p = self.peers.get((host, port + self.ctx.tp_rank))
+            p = self.peers.get((host, port))
             if p is not None:
                 p.client.send(Renew(keys=keys))
 
@@ -406,14 +406,15 @@ class Consumer:
     # Called with the lock held.
 
     def answer_written(self, msg: Written) -> str:
-        """The producer's write for ``msg.key`` has ended (ok or not)."""
+        """Producer rank ``msg.rank``'s write for ``msg.key`` has ended (ok or not)."""
         rid = self.recv_by_key.get(msg.key)
         r = self.recv.get(rid) if rid else None
-        if r is None or r.state not in (RecvState.WRITE_WAIT, RecvState.CANCEL):
+        pc = next((x for x in r.pieces if x.piece.producer_rank == msg.rank), None) if r is not None else None
+        if r is None or pc is None or r.state not in (RecvState.WRITE_WAIT, RecvState.CANCEL):
             return "unknown"  # late / duplicate: dropped (R3)
-        r.written = msg.ok
+        pc.written = msg.ok
         self.written_event.set()
-        if msg.ok and r.clock is not None:
+        if msg.ok and r.clock is not None and r.written is True:
             r.clock.transferred = time.monotonic()
         if r.state is RecvState.WRITE_WAIT and not msg.ok:
             r.fail(Cause.TRANSPORT, f"producer write failed: {msg.reason}")

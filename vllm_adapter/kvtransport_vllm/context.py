@@ -32,6 +32,7 @@ class WorkerContext:
     port: int  # our side-channel port (base + TP rank)
     tp_rank: int
     auth: Authenticator | None
+    tp_size: int = 1
     lock: threading.RLock = field(default_factory=threading.RLock)
     stats: dict[str, Any] = field(default_factory=new_stats)
     agent: Any = None

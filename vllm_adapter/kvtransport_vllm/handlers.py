@@ -27,6 +27,7 @@ import numpy as np
 import kvtransport as kvt
 from kvtransport.metadata import decode_metadata
 
+from .compat import refusal
 from .consumer import Consumer
 from .context import WorkerContext
 from .kv_layout import block_segments
@@ -90,9 +91,10 @@ class SideChannelHandlers:
         """A consumer hand-shakes: check layouts, remember its agent, send ours."""
         layout = self.ctx.layout
         assert layout is not None
-        diff = layout.mismatch(msg.layout)
+        diff = refusal(layout, msg.layout, "prefill", "decode")
         if diff:
-            return Error(code="layout", message=f"KV layout mismatch with {self.ctx.name}: {diff}")
+            return Error(code="layout", message=f"KV layout mismatch (incompatible KV caches) with {self.ctx.name}, "
+                                                f"no byte moved: {diff}")
         with self.ctx.lock:
             self.producer.on_hello(msg)
         return Welcome(engine_id=self.ctx.name, agent_md=self.ctx.agent_md, layout=layout)
@@ -100,7 +102,8 @@ class SideChannelHandlers:
     def on_done(self, msg: Done, now: float) -> Reply:
         """READ mode: the consumer read these keys; "ok" frees them, inside the lease only."""
         with self.ctx.lock:
-            return Reply(status={k: self.producer.answer_done(k, msg.instance, now) for k in msg.keys})
+            return Reply(status={k: self.producer.answer_done(k, msg.instance, now, msg.rank, msg.readers)
+                                 for k in msg.keys})
 
     def on_renew(self, msg: Renew, now: float) -> Reply:
         with self.ctx.lock:
@@ -110,7 +113,7 @@ class SideChannelHandlers:
         """Release (won't read) and Cancel (WRITE: stop writing): "acked" only once no
         write of ours can land in the consumer's blocks any more."""
         with self.ctx.lock:
-            return Reply(status={k: self.producer.answer_give_up(k, now) for k in msg.keys})
+            return Reply(status={k: self.producer.answer_give_up(k, now, msg.rank, msg.readers) for k in msg.keys})
 
     def on_write_req(self, msg: WriteReq, now: float) -> Reply:
         with self.ctx.lock:

@@ -21,7 +21,24 @@ from kvtransport.memory import tensor_memory_kind
 if TYPE_CHECKING:  # .messages imports vLLM; this module (and .staging) must import without it
     from .messages import LayoutInfo
 
-__all__ = ["KVLayoutError", "LayerMem", "describe_kv_caches", "check_uniform", "remote_layouts", "block_segments"]
+__all__ = ["KVLayoutError", "LayerMem", "describe_kv_caches", "check_uniform", "remote_layouts", "block_segments",
+           "head_slice", "HEADS_OUTER", "TOKENS_OUTER", "KV_OUTER", "AMBIGUOUS"]
+
+#: inside a block, each head's tokens are one byte range (vLLM's CPU layout
+#: ``[num_blocks, kv_heads, block_size, 2*head_size]``; head-major "HND" GPU blocks): a head range
+#: of a block is one byte range too, so heterogeneous TP slices it without copying
+HEADS_OUTER = "heads-outer"
+#: inside a block, each token holds all heads (FlashAttention's
+#: ``[2, num_blocks, block_size, kv_heads, head_size]``, "NHD"): a head range is scattered
+#: over every token, so it cannot be moved as one range per block
+TOKENS_OUTER = "tokens-outer"
+#: K and V halves inside each block, heads inside them (e.g. a head-major layout
+#: ``[num_blocks, 2, kv_heads, block_size, head_size]`` by stride): a head range is two
+#: byte ranges per block; not sliced (refused across TP sizes)
+KV_OUTER = "kv-outer"
+#: the sizes cannot tell heads from tokens (block_size equals the rank's KV head count)
+#: or from the K/V pair (2 heads per rank next to a K/V dimension): not sliced
+AMBIGUOUS = "ambiguous"
 
 
 class KVLayoutError(ValueError):
@@ -41,16 +58,20 @@ class LayerMem:
     kind: str = "cpu"  # memory kind the agent registers it as: "cpu", "cuda" or "rocm"
     device: int = -1  # device index for device memory, -1 for CPU memory
     block_dim: int = 0  # the tensor dimension that indexes blocks (host staging copies along it)
+    attn_layout: str = ""  # HEADS_OUTER, TOKENS_OUTER, KV_OUTER, AMBIGUOUS, "other", "" (heads not given)
 
 
-def describe_kv_caches(kv_caches: dict[str, Any], num_blocks: int) -> list[LayerMem]:
+def describe_kv_caches(kv_caches: dict[str, Any], num_blocks: int, kv_heads: int = 0,
+                       block_size: int = 0) -> list[LayerMem]:
     """Describe each layer's paged cache as parts of ``num_blocks`` blocks.
 
     Works from sizes and strides, so permuted views (vLLM allocates a raw buffer and
     views it in the attention backend's stride order) are handled. The block dimension
     is the outermost dimension of size ``num_blocks``; a dimension of size 2 with a larger
     stride is a K/V split (two parts). Within a part, one block must be one dense byte
-    range; anything else is refused with a message instead of guessing.
+    range; anything else is refused with a message instead of guessing. With this rank's
+    ``kv_heads`` and ``block_size`` given, each layer also says where heads lie inside a
+    block (``attn_layout``), which decides whether a head range can be moved alone.
     """
     out = []
     for name, t in kv_caches.items():
@@ -75,16 +96,32 @@ def describe_kv_caches(kv_caches: dict[str, Any], num_blocks: int) -> list[Layer
         bases = [0] if not split else [0, strides[split[0]] * item]
         span = 1 + sum((n - 1) * st for n, st in zip(sizes, strides))
         kind, device = tensor_memory_kind(t)  # a GPU cache is registered as GPU memory
+        order = sorted(inner, key=lambda d: -strides[d])  # inner dimensions, outermost first
         out.append(LayerMem(t, int(t.data_ptr()), span * item, bases, per_block * item, strides[bd] * item,
-                            kind, device, bd))
+                            kind, device, bd, _attn_layout([sizes[d] for d in order], kv_heads, block_size)))
     return out
+
+
+def _attn_layout(inner_sizes: list[int], kv_heads: int, block_size: int) -> str:
+    """Where the heads lie inside one block, from the sizes of its dimensions (outermost first)."""
+    if kv_heads <= 0 or not inner_sizes:
+        return ""
+    if kv_heads == 1:
+        return HEADS_OUTER  # one head: the whole block is that head's range
+    if kv_heads == block_size or (kv_heads == 2 and inner_sizes.count(2) > 1):
+        return AMBIGUOUS
+    if inner_sizes[0] == kv_heads:
+        return HEADS_OUTER
+    if inner_sizes[0] == block_size:
+        return TOKENS_OUTER
+    return KV_OUTER if inner_sizes[0] == 2 else "other"
 
 
 def check_uniform(layers: list[LayerMem]) -> None:
     """Every layer must share one block layout: one LayoutInfo describes them all."""
-    parts, bb = len(layers[0].bases), layers[0].block_bytes
+    parts, bb, kind = len(layers[0].bases), layers[0].block_bytes, layers[0].attn_layout
     for lm in layers:
-        if len(lm.bases) != parts or lm.block_bytes != bb:
+        if len(lm.bases) != parts or lm.block_bytes != bb or lm.attn_layout != kind:
             raise KVLayoutError("all attention layers must share one KV layout (block bytes, K/V split)")
 
 
@@ -112,3 +149,23 @@ def block_segments(layouts: list[kvt.BlockLayout], block_ids: list[int]) -> kvt.
     Python loop per block: each layout maps the whole id array at once)."""
     ids = np.asarray(block_ids, np.int64)
     return kvt.Segments.concat([lay.segments(ids) for lay in layouts])
+
+
+def head_slice(layouts: list[kvt.BlockLayout], kv_heads: int, first: int, num: int) -> list[kvt.BlockLayout]:
+    """The same layers restricted to heads ``[first, first + num)`` of the ``kv_heads`` in
+    each block. Only valid for a HEADS_OUTER layout (checked at the hand-shake): each head
+    is ``block_bytes / kv_heads`` bytes, so a head range is one byte range per block at a
+    shifted base, with the same stride, and segments stay vectorised. All heads: unchanged
+    (any layout)."""
+    if first == 0 and num == kv_heads:
+        return layouts
+    if kv_heads <= 0 or not 0 <= first < first + num <= kv_heads:
+        raise KVLayoutError(f"head range [{first}, {first + num}) outside the {kv_heads} KV heads of a block")
+    out = []
+    for lay in layouts:
+        if lay.block_bytes % kv_heads:
+            raise KVLayoutError(f"block of {lay.block_bytes} bytes does not split into {kv_heads} equal heads")
+        hb = lay.block_bytes // kv_heads
+        out.append(kvt.BlockLayout([(r, b + first * hb) for r, b in lay.parts], hb * num, lay.num_blocks,
+                                   lay.block_stride))
+    return out

@@ -15,7 +15,10 @@ import msgspec
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-PROTOCOL_VERSION = 1
+#: 2: heterogeneous TP (issue 14): LayoutInfo names the model and head geometry, and
+#: Done / Release / Cancel / WriteReq / Written name TP ranks and head ranges. A version-1
+#: peer is refused with a message naming both versions, not as a malformed message.
+PROTOCOL_VERSION = 2
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -60,6 +63,14 @@ class LayoutInfo(msgspec.Struct, frozen=True):
     #: per layer: [(region id, base offset), ...] and the block stride (this agent's ids)
     part_regions: list[list[tuple[int, int]]] = []
     block_stride: list[int] = []
+    #: identity and geometry compared at the hand-shake (docs/VLLM.md, Compatibility
+    #: check); "" / 0: not known (a worker built without a model config, e.g. by tools)
+    model: str = ""  # the served model name (what a router sends to both engines)
+    model_dtype: str = ""  # the model's dtype (``dtype`` above is the KV cache's)
+    total_kv_heads: int = 0
+    kv_heads: int = 0  # KV heads this rank holds
+    head_size: int = 0
+    attn_layout: str = ""  # where heads lie inside a block (kv_layout.HEADS_OUTER, ...)
 
     def mismatch(self, other: LayoutInfo) -> str:
         """Human-readable differences that make a transfer impossible ("" if none)."""
@@ -100,6 +111,10 @@ class Done(Msg, tag="done"):
 
     keys: list[str]
     instance: str = ""
+    #: our TP rank, and how many consumer ranks read from this producer rank: it frees
+    #: the blocks once all of them confirmed or released (rank -1: the one reader)
+    rank: int = -1
+    readers: int = 1
 
 
 class Renew(Msg, tag="renew"):
@@ -110,6 +125,8 @@ class Release(Msg, tag="release"):
     """Consumer will not read these keys (aborted, failed, nothing to load)."""
 
     keys: list[str]
+    rank: int = -1  # as in Done
+    readers: int = 1
 
 
 class WriteReq(Msg, tag="write_req"):
@@ -120,12 +137,21 @@ class WriteReq(Msg, tag="write_req"):
     engine_id: str
     reply_host: str
     reply_port: int
+    rank: int = -1  # as in Done
+    readers: int = 1
+    #: write the producer's heads [src_head, src_head + num_heads) into our heads from
+    #: dst_head (heads counted in each rank's own cache); num_heads 0: whole blocks
+    src_head: int = 0
+    dst_head: int = 0
+    num_heads: int = 0
 
 
 class Cancel(Msg, tag="cancel"):
     """Consumer (WRITE mode) gives up; producer acks once no more write can land."""
 
     keys: list[str]
+    rank: int = -1  # as in Done
+    readers: int = 1
 
 
 class Written(Msg, tag="written"):
@@ -134,6 +160,7 @@ class Written(Msg, tag="written"):
     key: str
     ok: bool
     reason: str = ""
+    rank: int = 0  # the producer's TP rank (a consumer rank may get pieces from several)
 
 
 class Aborted(Msg, tag="aborted"):
@@ -254,6 +281,8 @@ class RecvJob:
     host: str
     port: int
     remote_engine_id: str = ""
+    #: the producer's TP size from kv_transfer_params (0: not forwarded, assume ours)
+    remote_tp: int = 0
     #: non-empty: the params could not be loaded from (the typed refusal's text); the
     #: worker fails this load at once so vLLM applies its load failure policy
     refused: str = ""
@@ -277,7 +306,8 @@ class PeerNotice:
     key: str
     host: str
     port: int
-    kind: str  # "release" | "aborted"
+    kind: str  # "release" | "aborted" | "renew"
+    remote_tp: int = 0  # the producer's TP size (0: not known, assume ours)
 
 
 @dataclass

@@ -58,6 +58,7 @@ class RemoteSource:
     remote_engine_id: str
     remote_block_ids: list[int]
     remote_num_tokens: int | None
+    remote_tp: int = 0  # the producer's TP size (0: not forwarded)
 
 
 def parse_remote_source(params: dict[str, Any], request_id: str, mode: str, tp_size: int = 1) -> RemoteSource:
@@ -88,8 +89,10 @@ def parse_remote_source(params: dict[str, Any], request_id: str, mode: str, tp_s
     except (TypeError, ValueError):
         raise KVTransferParamsError(request_id, "remote_block_ids / remote_num_tokens / tp_size are not integers",
                                     peer=peer, key=key) from None
-    if remote_tp is not None and remote_tp != tp_size:
-        raise KVTransferParamsError(
-            request_id, f"producer tp_size {remote_tp!r} differs from ours ({tp_size}); both engines must use "
-            "the same tensor-parallel size", peer=peer, key=key)
-    return RemoteSource(peer, key, str(params.get("remote_engine_id") or ""), block_ids, num_tokens)
+    if remote_tp is not None and remote_tp < 1:
+        raise KVTransferParamsError(request_id, f"producer tp_size {remote_tp!r} is not a TP size (>= 1)",
+                                    peer=peer, key=key)
+    # A tp_size other than ours is a heterogeneous-TP load (tp_mapping); whether the heads
+    # map is checked by the workers, which know the head count, at the hand-shake.
+    return RemoteSource(peer, key, str(params.get("remote_engine_id") or ""), block_ids, num_tokens,
+                        remote_tp or 0)

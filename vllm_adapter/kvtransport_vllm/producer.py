@@ -32,13 +32,13 @@ import enum
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import kvtransport as kvt
 
 from .context import WorkerContext
-from .kv_layout import block_segments, remote_layouts
+from .kv_layout import block_segments, head_slice, remote_layouts
 from .load_stats import HOLD_CAUSES, Cause, count_outcome, record_transfer
 from .messages import Hello, HoldJob, LayoutInfo, Msg, Reply, WriteReq, Written
 
@@ -48,8 +48,22 @@ __all__ = ["HoldState", "Hold", "Producer"]
 
 _RECENT = 65536  # remembered ended keys (late messages answered "expired", not "pending")
 
-#: (consumer engine, its block ids, its reply host, its reply port)
-Dest = tuple[str, list[int], str, int]
+
+
+@dataclass(frozen=True)
+class Dest:
+    """Where a WRITE goes: a consumer rank's blocks (and, across TP sizes, which of our
+    heads land at which of its heads; ``num_heads`` 0: whole blocks)."""
+
+    engine: str
+    block_ids: list[int]
+    host: str
+    port: int
+    rank: int = -1
+    src_head: int = 0
+    dst_head: int = 0
+    num_heads: int = 0
+    readers: int = 1  # consumer ranks the hold serves (several when their TP is larger)
 
 
 class HoldState(enum.Enum):
@@ -71,8 +85,25 @@ class Hold:
     write_ok: bool = False
     write_reason: str = ""
     notify_cid: int = 0
+    #: every "written" sent for the current destination: a reply to any of them is its
+    #: consumer's word (resent every 50 ms, so under load the reply to the latest one may
+    #: never come first; with several destinations the next write waits for that word)
+    notify_cids: set[int] = field(default_factory=set)
     last_sent: float = 0.0
     posted_at: float = 0.0  # WRITE: when the write was posted (its transfer time)
+    #: consumer ranks this hold waits for (several read from us when their TP is larger)
+    readers: int = 1
+    #: consumer rank -> how it finished with us ("done", "released"); ended when all have
+    finished: dict[int, str] = field(default_factory=dict)
+    #: WRITE: further consumer ranks' destinations, written one after another
+    queue: list[Dest] = field(default_factory=list)
+
+    def finish_reader(self, rank: int, how: str, readers: int) -> bool:
+        """Consumer ``rank`` is done with us; True when every expected reader is."""
+        self.readers = max(self.readers, readers)
+        self.finished.setdefault(rank, how)
+        self.queue = [d for d in self.queue if d.rank != rank]
+        return len(self.finished) >= self.readers
 
     @property
     def write_in_flight(self) -> bool:
@@ -88,11 +119,14 @@ class Producer:
         self.holds: dict[str, Hold] = {}  # key -> hold
         self.ended: OrderedDict[str, str] = OrderedDict()  # key -> why (done|expired|released|aborted)
         #: WriteReq that came before the hold (messages race the scheduler's metadata)
-        self.early_dest: dict[str, tuple[Dest, float]] = {}
+        self.early_dest: dict[str, tuple[list[Dest], float]] = {}  # one per consumer rank
         self.consumer_md: dict[str, bytes] = {}  # consumer engine name -> agent metadata
         self.consumer_peers: dict[str, Any] = {}
         self.consumer_layouts: dict[str, LayoutInfo] = {}
         self.done_sending: set[str] = set()
+        #: releases from some of several readers before we learnt of the hold:
+        #: key -> (readers, {rank: how}, expiry)
+        self.early_finished: dict[str, tuple[int, dict[int, str], float]] = {}
 
     # ------------------------------------------------------------------ engine thread
     def add(self, jobs: list[HoldJob], now: float) -> None:
@@ -104,7 +138,11 @@ class Producer:
             hold = Hold(j.req_id, j.key, list(j.block_ids), expiry=now + self.ctx.cfg.lease_s)
             early = self.early_dest.pop(j.key, None)
             if early is not None:
-                hold.dest = early[0]
+                hold.dest, hold.queue = early[0][0], early[0][1:]
+                hold.readers = max(d.readers for d in early[0])
+            part = self.early_finished.pop(j.key, None)
+            if part is not None:
+                hold.readers, hold.finished = part[0], dict(part[1])
             self.holds[j.key] = hold
 
     def note_aborted(self, key: str) -> None:
@@ -139,6 +177,9 @@ class Producer:
             for key, (_, exp) in list(self.early_dest.items()):
                 if now >= exp:
                     del self.early_dest[key]
+            for key, (_, _, exp) in list(self.early_finished.items()):
+                if now >= exp:
+                    del self.early_finished[key]
         for h in holds:
             self._advance(h, now)
 
@@ -153,9 +194,10 @@ class Producer:
             state = HoldState.NOTIFY
         if state is HoldState.NOTIFY:
             if now - h.last_sent > 0.05:
-                _, _, host, port = h.dest  # type: ignore[misc]
-                h.notify_cid = self.ctx.client_to(host, port).send(
-                    Written(key=h.key, ok=h.write_ok, reason=h.write_reason))
+                assert h.dest is not None
+                h.notify_cid = self.ctx.client_to(h.dest.host, h.dest.port).send(
+                    Written(key=h.key, ok=h.write_ok, reason=h.write_reason, rank=self.ctx.tp_rank))
+                h.notify_cids.add(h.notify_cid)
                 h.last_sent = now
             with self.ctx.lock:
                 if now >= h.expiry and h.key in self.holds:  # consumer never acked: gone
@@ -185,7 +227,7 @@ class Producer:
             if ok:
                 self.ctx.stats["bytes"] += h.write.nbytes
                 record_transfer(self.ctx.stats, time.monotonic() - h.posted_at, h.write.nbytes,
-                                len(h.dest[1]) if h.dest else 0)
+                                len(h.dest.block_ids) if h.dest else 0)
             else:
                 self.ctx.stats["failures"] += 1
             h.state, h.write_ok, h.write_reason, h.last_sent = HoldState.NOTIFY, ok, st.reason, 0.0
@@ -194,7 +236,7 @@ class Producer:
     def _post_write(self, h: Hold, dest: Dest) -> None:
         """Called in POSTING, without the lock; leaves the hold POSTED, NOTIFY (refused)
         or HELD (nothing posted: the consumer's hand-shake has not arrived yet)."""
-        engine, dst_blocks, _, _ = dest
+        dst_blocks = dest.block_ids
         n_src = len(h.block_ids)
         src_blocks = h.block_ids[n_src - len(dst_blocks):] if len(dst_blocks) <= n_src else None
         next_state, fail, write = HoldState.NOTIFY, "", None
@@ -203,8 +245,8 @@ class Producer:
             if src_blocks is None:
                 fail = f"consumer asked for {len(dst_blocks)} blocks, producer has {n_src}"
             else:
-                write, next_state = self._write(engine, dst_blocks, src_blocks)
-        except kvt.errors.KVTransportError as exc:
+                write, next_state = self._write(dest, src_blocks)
+        except (kvt.errors.KVTransportError, ValueError) as exc:
             fail = f"write refused: {exc}"
         except BaseException:
             with self.ctx.lock:  # nothing was posted (the agent fails backend errors itself)
@@ -218,7 +260,8 @@ class Producer:
             elif next_state is HoldState.NOTIFY:
                 h.write_ok, h.write_reason, h.last_sent = False, fail, 0.0
 
-    def _write(self, engine: str, dst_blocks: list[int], src_blocks: list[int]) -> tuple[Any, HoldState]:
+    def _write(self, dest: Dest, src_blocks: list[int]) -> tuple[Any, HoldState]:
+        engine = dest.engine
         peer = self.consumer_peers.get(engine)
         if peer is None:
             md = self.consumer_md.get(engine)
@@ -226,8 +269,12 @@ class Producer:
                 return None, HoldState.HELD  # hand-shake not seen yet (messages race); next step
             peer = self.ctx.agent.connect(md)
             self.consumer_peers[engine] = peer
-        remote = block_segments(remote_layouts(peer, self.consumer_layouts[engine]), dst_blocks)
-        local = block_segments(self.ctx.local_layouts, src_blocks)
+        info = self.consumer_layouts[engine]
+        ours = self.ctx.layout.kv_heads if self.ctx.layout is not None else 0
+        n = dest.num_heads
+        remote = block_segments(head_slice(remote_layouts(peer, info), info.kv_heads, dest.dst_head,
+                                           n or info.kv_heads), dest.block_ids)
+        local = block_segments(head_slice(self.ctx.local_layouts, ours, dest.src_head, n or ours), src_blocks)
         return (self.ctx.agent.write(peer, local, remote, timeout=self.ctx.cfg.transfer_timeout_s),
                 HoldState.POSTED)
 
@@ -246,9 +293,21 @@ class Producer:
         with self.ctx.lock:
             for key, status in msg.status.items():
                 h = self.holds.get(key)
-                if h is None or h.state is not HoldState.NOTIFY or h.notify_cid != msg.cid:
+                if h is None or h.state is not HoldState.NOTIFY or msg.cid not in h.notify_cids:
                     continue
-                self.end_hold(h, "done" if status == "ok" else "released")
+                self._dest_done(h, "done" if status == "ok" else "released")
+
+    def _dest_done(self, h: Hold, how: str) -> None:
+        """The current destination's write has ended and its consumer rank is finished with
+        us: end the hold if it was the last reader, else go on with the next one. Caller
+        holds the lock; the hold is in NOTIFY or HELD (no write in flight)."""
+        assert h.dest is not None and not h.write_in_flight
+        if h.finish_reader(h.dest.rank, how, 1):
+            self.end_hold(h, how)
+            return
+        h.dest = h.queue.pop(0) if h.queue else None
+        h.state, h.write, h.write_ok, h.write_reason, h.notify_cid = HoldState.HELD, None, False, "", 0
+        h.notify_cids = set()
 
     # ------------------------------------------------------------------ side-channel thread
     # Each answer_* is called with the lock held, per key, and returns the key's status.
@@ -258,9 +317,15 @@ class Producer:
         self.consumer_peers.pop(msg.engine_id, None)  # restarted consumer: reconnect
         self.consumer_layouts[msg.engine_id] = msg.layout
 
-    def _unknown(self, key: str, give_up: bool, done: bool) -> str:
+    def _unknown(self, key: str, give_up: bool, done: bool, rank: int = -1, readers: int = 1) -> str:
         """Status for a key we hold nothing for."""
         why = self.ended.get(key)
+        if why is None and give_up and readers > 1:
+            # one of several readers: remember it; the hold waits for the others on arrival
+            _, seen, _ = self.early_finished.get(key, (readers, {}, 0.0))
+            seen.setdefault(rank, "released")
+            self.early_finished[key] = (readers, seen, time.monotonic() + self.ctx.cfg.lease_s)
+            return "acked"
         if why is None and give_up:
             # before we learnt of the key: remember, free on arrival
             self.ended[key] = "released"
@@ -278,7 +343,9 @@ class Producer:
         """End a hold whose lease ran out (never one with a write in flight or ended)."""
         return now >= h.expiry and h.state is HoldState.HELD and self.end_hold(h, "expired")
 
-    def answer_done(self, key: str, instance: str, now: float) -> str:
+    def answer_done(self, key: str, instance: str, now: float, rank: int = -1, readers: int = 1) -> str:
+        """READ: consumer ``rank`` read ``key`` from us; "ok" if our lease held. With several
+        readers the blocks are freed once every one confirmed or released."""
         h = self.holds.get(key)
         if h is None:
             return self._unknown(key, give_up=False, done=True)
@@ -286,8 +353,12 @@ class Producer:
             return "expired"
         if instance and instance != self.ctx.agent.instance:
             return "stale"  # read from our previous incarnation's memory
-        if not self.end_hold(h, "done"):
+        if h.write_in_flight:
             return "pending"  # a write of ours is in flight for this key
+        if h.finish_reader(rank, "done", readers):
+            self.end_hold(h, "done")
+        else:
+            h.expiry = now + self.ctx.cfg.lease_s  # the other readers still read under it
         return "ok"
 
     def answer_renew(self, key: str, now: float) -> str:
@@ -299,14 +370,24 @@ class Producer:
         h.expiry = now + self.ctx.cfg.lease_s
         return "ok"
 
-    def answer_give_up(self, key: str, now: float) -> str:
-        """Release (READ) / Cancel (WRITE): "acked" means no write can land any more."""
+    def answer_give_up(self, key: str, now: float, rank: int = -1, readers: int = 1) -> str:
+        """Release (READ) / Cancel (WRITE) from consumer ``rank``: "acked" means no write
+        of ours can land in its blocks any more."""
         h = self.holds.get(key)
         if h is None:
-            return self._unknown(key, give_up=True, done=False)
-        if self._lapsed(h, now) or self.end_hold(h, "released"):
+            return self._unknown(key, give_up=True, done=False, rank=rank, readers=readers)
+        if self._lapsed(h, now):
             return "acked"
-        return "pending"  # POSTING / POSTED: no ack until the write has ended
+        if h.dest is not None and (h.dest.rank == rank or rank < 0 or h.dest.rank < 0):
+            # the rank our current write goes to (rank -1: a peer that names none, treated
+            # as the destination of any write, so an ack never comes too early)
+            if h.write_in_flight:
+                return "pending"  # POSTING / POSTED: no ack until the write has ended
+            self._dest_done(h, "released")  # its write (if any) has ended, or never started
+            return "acked"
+        if h.finish_reader(rank, "released", readers) and not h.write_in_flight:
+            self.end_hold(h, "released")
+        return "acked"
 
     def answer_aborted(self, key: str) -> None:
         h = self.holds.get(key)
@@ -314,22 +395,37 @@ class Producer:
             self.end_hold(h, "released")  # refused while a write is in flight
 
     def answer_write_req(self, msg: WriteReq, now: float) -> str:
-        dest: Dest = (msg.engine_id, list(msg.block_ids), msg.reply_host, msg.reply_port)
+        dest = Dest(msg.engine_id, list(msg.block_ids), msg.reply_host, msg.reply_port, msg.rank, msg.src_head,
+                    msg.dst_head, msg.num_heads, msg.readers)
         lease = now + self.ctx.cfg.lease_s
         h = self.holds.get(msg.key)
+        if h is not None:
+            h.readers = max(h.readers, msg.readers)
+            if h.dest is not None and h.dest.rank != dest.rank:
+                # another consumer rank's slice: written after the current one (one write
+                # in flight per hold keeps the cancel rules of this module unchanged)
+                if dest.rank not in h.finished and all(d.rank != dest.rank for d in h.queue):
+                    h.queue.append(dest)
+                h.expiry = lease
+                return "ok"
         if msg.engine_id not in self.consumer_md and msg.key not in self.ended:
             # we cannot write to a consumer we never hand-shook with (we restarted)
             if h is not None and h.dest is None:
                 h.dest, h.expiry = dest, lease
             elif h is None:
-                self.early_dest[msg.key] = (dest, lease)
+                self._early(msg.key, dest, lease)
             return "hello"
         if h is not None:
-            if h.dest is None:
+            if h.dest is None and dest.rank not in h.finished:  # a resend after its write: ignored
                 h.dest = dest
             h.expiry = lease
             return "ok"
         if msg.key in self.ended:
             return "aborted" if self.ended[msg.key] == "aborted" else "expired"
-        self.early_dest[msg.key] = (dest, lease)
+        self._early(msg.key, dest, lease)
         return "pending"
+
+    def _early(self, key: str, dest: Dest, lease: float) -> None:
+        """Remember a destination that came before the hold (one per consumer rank)."""
+        dests = [d for d in self.early_dest.get(key, ([], 0.0))[0] if d.rank != dest.rank]
+        self.early_dest[key] = (dests + [dest], lease)

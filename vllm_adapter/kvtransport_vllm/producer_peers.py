@@ -1,9 +1,11 @@
 """The consumer's hand-shakes with producer workers: one :class:`PeerConn` per producer
-side channel (host, port of our TP rank), its Hello / Welcome exchange, and the check
-that the producer's KV layout matches ours before any byte may move.
+side channel (host, port of one producer TP rank), its Hello / Welcome exchange, and the
+compatibility check (:mod:`.compat`) of the producer's KV cache against ours before any
+byte may move.
 
 Ports: a producer advertises the base port of its DP rank (``remote_port``); its TP rank
-*r* listens on that + *r* (docs/VLLM.md, Data parallel), so we add our own TP rank.
+*q* listens on that + *q* (docs/VLLM.md, Data parallel). Which *q* a consumer rank talks
+to is decided by :mod:`.tp_mapping` (equal TP sizes: our own rank).
 
 Engine thread only (the consumer's advance and reply polling).
 """
@@ -17,9 +19,10 @@ from typing import Any
 
 import kvtransport as kvt
 
+from .compat import refusal
 from .context import WorkerContext
 from .kv_layout import remote_layouts
-from .messages import Error, Hello, Msg, Welcome
+from .messages import Error, Hello, LayoutInfo, Msg, Welcome
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,7 @@ class PeerConn:
     failed_at: float = 0.0  # when the hand-shake last failed
     #: the last refusal logged at error level; the same one again is logged at debug level
     logged_error: str = ""
+    info: LayoutInfo | None = None  # the producer's layout, from its Welcome
 
     def fail(self, error: str) -> None:
         """The hand-shake failed. Logged at error level once per peer and reason: every load
@@ -66,8 +70,7 @@ class ProducerPeers:
         self.peers: dict[tuple[str, int], PeerConn] = {}
 
     def get(self, host: str, port: int) -> PeerConn:
-        """Our connection to the producer worker of our rank (hand-shake sent if due)."""
-        port = port + self.ctx.tp_rank
+        """Our connection to the producer worker at ``port`` (hand-shake sent if due)."""
         p = self.peers.get((host, port))
         if p is None:
             p = self.peers[(host, port)] = PeerConn(host, port, self.ctx.new_client(host, port))
@@ -83,10 +86,10 @@ class ProducerPeers:
 
     def _on_welcome(self, p: PeerConn, msg: Welcome) -> None:
         assert self.ctx.layout is not None
-        diff = self.ctx.layout.mismatch(msg.layout)
+        diff = refusal(self.ctx.layout, msg.layout, "decode", "prefill")
         if diff:
-            p.fail(f"KV layout mismatch with producer {msg.engine_id} at {p.host}:{p.port}: {diff}. "
-                   "Both engines must serve the same model with the same dtype, block size and TP size.")
+            p.fail(f"KV layout mismatch (incompatible KV caches) with producer {msg.engine_id} at "
+                   f"{p.host}:{p.port}, no byte moved: {diff}")
             return
         try:
             peer = self.ctx.agent.connect(msg.agent_md)
@@ -98,7 +101,7 @@ class ProducerPeers:
         except kvt.errors.KVTransportError as exc:
             p.fail(f"producer {msg.engine_id} declared an unusable layout: {exc}")
             return
-        p.kvt_peer, p.layouts, p.state, p.error = peer, layouts, "ready", ""
+        p.kvt_peer, p.layouts, p.state, p.error, p.info = peer, layouts, "ready", "", msg.layout
         p.logged_error = ""  # a later refusal is news again
         p.engine_name = msg.engine_id
 

@@ -45,7 +45,7 @@ class KVTransportScheduler:
         #: consumer requests promised a remote load but not yet allocated (queued for
         #: blocks): req_id -> (key, host, port). Their producer leases are renewed from
         #: here, because no worker knows of them yet (lifecycle 2.5: "queued").
-        self.queued: dict[str, tuple[str, str, int]] = {}
+        self.queued: dict[str, tuple[str, str, int, int]] = {}
         self._last_queued_renew = 0.0
 
     # -- consumer -------------------------------------------------------------------
@@ -87,7 +87,7 @@ class KVTransportScheduler:
         if n <= 0:
             return 0, False
         if isinstance(found, RemoteSource):
-            self.queued[request.request_id] = (found.key, found.peer.host, found.peer.port)
+            self.queued[request.request_id] = (found.key, found.peer.host, found.peer.port, found.remote_tp)
         return n, True
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -103,7 +103,8 @@ class KVTransportScheduler:
             # Nothing to load (full local hit / short prompt), or nothing we can load
             # from: free the producer now if we know who and what.
             if peer is not None and key is not None:
-                self._meta.notices.append(PeerNotice(key, peer.host, peer.port, "release"))
+                self._meta.notices.append(PeerNotice(key, peer.host, peer.port, "release",
+                                                     src.remote_tp if src else 0))
             if src is None and num_external_tokens > 0:
                 log.warning("kvtransport: %s: %s", type(found).__name__, found)
                 unhashed = [b.block_id for b in blocks.blocks[0] if b.block_hash is None and not b.is_null]
@@ -130,6 +131,7 @@ class KVTransportScheduler:
                 host=src.peer.host,
                 port=src.peer.port,
                 remote_engine_id=src.remote_engine_id,
+                remote_tp=src.remote_tp,
                 created_at=time.time(),
             )
         )
@@ -146,8 +148,8 @@ class KVTransportScheduler:
         if not self.queued or now - self._last_queued_renew < max(0.05, self.cfg.lease_s / 4):
             return
         self._last_queued_renew = now
-        for key, host, port in self.queued.values():
-            self._meta.notices.append(PeerNotice(key, host, port, "renew"))
+        for key, host, port, remote_tp in self.queued.values():
+            self._meta.notices.append(PeerNotice(key, host, port, "renew", remote_tp))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
@@ -167,7 +169,8 @@ class KVTransportScheduler:
             peer = found.peer if found is not None else None
             key = found.key if found is not None else None
             if peer is not None and key is not None:
-                self._meta.notices.append(PeerNotice(key, peer.host, peer.port, "release"))
+                remote_tp = found.remote_tp if isinstance(found, RemoteSource) else 0
+                self._meta.notices.append(PeerNotice(key, peer.host, peer.port, "release", remote_tp))
             return False, None
 
         if not (self.cfg.is_producer and params.get("do_remote_decode")):

@@ -30,12 +30,13 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import kvtransport as kvt
 
 from .config import ConnectorConfig, ConnectorConfigError, rank_port
-from .consumer import Consumer, Recv
+from .consumer import Consumer, Recv, plan_ranks
 from .context import WorkerContext, new_stats
 from .handlers import SideChannelHandlers
 from .kv_layout import KVLayoutError, check_uniform, describe_kv_caches
@@ -43,6 +44,7 @@ from .messages import Aborted, KVTransportMetadata, LayoutInfo, Msg, PeerNotice,
 from .producer import Hold, Producer
 from .side_channel import SideChannelServer, wait_for_any
 from .staging import HostKV, HostStaging, KVDevice, make_kv_device
+from .tp_mapping import TPMappingError
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +52,18 @@ log = logging.getLogger(__name__)
 #: else (see KVTransportWorker._await_replies).
 REPLY_WAIT_S = 0.002
 
-__all__ = ["KVTransportWorker", "KVLayoutError", "describe_kv_caches"]
+__all__ = ["KVTransportWorker", "ModelInfo", "KVLayoutError", "describe_kv_caches"]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The model facts a hand-shake compares (docs/VLLM.md, Compatibility check)."""
+
+    name: str  # served model name
+    dtype: str  # model dtype
+    total_kv_heads: int
+    kv_heads: int  # this rank's
+    head_size: int
 
 
 class KVTransportWorker:
@@ -63,6 +76,7 @@ class KVTransportWorker:
         tp_rank: int = 0,
         tp_size: int = 1,
         dp_rank: int = 0,
+        model: ModelInfo | None = None,
     ) -> None:
         if cfg.gil_switch_interval_s > 0:
             # vLLM's worker loop busy-waits in Python for its next step, so our side-channel
@@ -81,7 +95,9 @@ class KVTransportWorker:
         self.server: SideChannelServer | None = None
         #: seals/opens every side-channel message (None only if explicitly disabled)
         self._auth = cfg.make_authenticator()
-        self.ctx = WorkerContext(cfg, self.name, self.port, tp_rank, self._auth)
+        self.ctx = WorkerContext(cfg, self.name, self.port, tp_rank, self._auth, tp_size)
+        #: what the hand-shake compares besides the cache itself (None: not known)
+        self.model = model
         self.consumer = Consumer(self.ctx)
         self.producer = Producer(self.ctx)
         self.handlers = SideChannelHandlers(self.ctx, self.producer, self.consumer)
@@ -134,7 +150,8 @@ class KVTransportWorker:
 
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        layers = describe_kv_caches(kv_caches, self.num_blocks)
+        m = self.model
+        layers = describe_kv_caches(kv_caches, self.num_blocks, m.kv_heads if m else 0, self.block_size)
         check_uniform(layers)
         self._check_staging_mode()
         self._kv_caches = kv_caches  # keep tensors alive while registered
@@ -169,6 +186,12 @@ class KVTransportWorker:
             tp_size=self.tp_size,
             part_regions=part_regions,
             block_stride=strides,
+            model=m.name if m else "",
+            model_dtype=m.dtype if m else "",
+            total_kv_heads=m.total_kv_heads if m else 0,
+            kv_heads=m.kv_heads if m else 0,
+            head_size=m.head_size if m else 0,
+            attn_layout=layers[0].attn_layout,
         )
         ctx.agent_md = ctx.agent.metadata()
         try:
@@ -365,16 +388,31 @@ class KVTransportWorker:
         notices, self._notices = self._notices, []
         renew: dict[tuple[str, int], list[str]] = {}
         for n, _ in notices:
-            if n.kind == "renew":  # queued consumer request (scheduler side): keep X's lease
-                renew.setdefault((n.host, n.port + self.tp_rank), []).append(n.key)
-                continue
             if n.kind == "aborted":
                 with self.ctx.lock:
                     self.producer.note_aborted(n.key)
-            client = self.ctx.client_to(n.host, n.port + self.tp_rank)
-            client.send(Release(keys=[n.key]) if n.kind == "release" else Aborted(keys=[n.key]))
+            for port, readers in self._notice_targets(n).items():
+                if n.kind == "renew":  # queued consumer request (scheduler side): keep X's lease
+                    renew.setdefault((n.host, port), []).append(n.key)
+                    continue
+                client = self.ctx.client_to(n.host, port)
+                client.send(Release(keys=[n.key], rank=self.tp_rank, readers=readers) if n.kind == "release"
+                            else Aborted(keys=[n.key]))
         for (host, port), keys in renew.items():
             self.ctx.client_to(host, port).send(Renew(keys=keys))
+
+    def _notice_targets(self, n: PeerNotice) -> dict[int, int]:
+        """The peer ports a notice goes to, with the readers each waits for: the producer
+        ranks this rank loads from or releases (tp_mapping); equal TP sizes (or a notice
+        to a consumer): the peer rank of our rank. Heads that cannot be mapped: each
+        producer rank is told by one consumer rank."""
+        if n.kind == "aborted" and self.cfg.is_producer and not self.cfg.is_consumer:
+            return {n.port + self.tp_rank: 1}
+        try:
+            _, ranks = plan_ranks(self.ctx, n.remote_tp)
+        except TPMappingError:
+            ranks = {q: 1 for q in range(n.remote_tp or self.tp_size) if q % self.tp_size == self.tp_rank}
+        return {n.port + q: readers for q, readers in ranks.items()}
 
 
 def _side_channel_zero() -> dict[str, int]:

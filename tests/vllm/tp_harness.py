@@ -1,0 +1,267 @@
+"""Engines with several TP ranks: one real vLLM ``Scheduler`` and one real connector worker
+per rank, their outputs combined by vLLM's own ``KVOutputAggregator`` (as its executor
+does), so a request leaves WAITING_FOR_REMOTE_KVS only once every rank reported it.
+
+Each rank owns the CPU KV cache of its own heads, ``[num_blocks, heads_of_rank,
+block_size, 2*head_size]`` per layer, like vLLM's CPU backend at that TP size. The
+stand-in forward writes, into each rank's cache, a value that names the token, its
+position, the layer and the *global* head, so a consumer's bytes can be checked head
+slice by head slice against what the producer ranks computed.
+
+Glue (says so): vLLM's distributed state is not initialised in one process, so each
+worker is built with its TP rank given as ``get_tensor_model_parallel_rank`` would
+(``kvtransport_vllm.connector._tp_info`` patched while it is built).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from harness import EOS  # also sets the environment every engine here needs (offline, secret)
+from vllm import SamplingParams
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+import kvtransport_vllm.connector as connector_mod
+from kvtransport_vllm.plugin import register
+
+NUM_LAYERS = 2
+HEAD_SIZE = 16
+_ids = itertools.count(1)
+_hash_ready = False
+
+
+def model_dir(total_kv_heads: int) -> str:
+    """A local Llama config with ``total_kv_heads`` KV heads (no weights: never loaded)."""
+    from transformers import LlamaConfig
+
+    d = os.path.join(tempfile.gettempdir(), f"kvt-tiny-llama-h{total_kv_heads}-{os.getuid()}")
+    if not os.path.exists(os.path.join(d, "config.json")):
+        os.makedirs(d, exist_ok=True)
+        heads = max(4, total_kv_heads)
+        LlamaConfig(hidden_size=heads * HEAD_SIZE, intermediate_size=128, num_hidden_layers=NUM_LAYERS,
+                    num_attention_heads=heads, num_key_value_heads=total_kv_heads, head_dim=HEAD_SIZE,
+                    vocab_size=512, max_position_embeddings=4096, eos_token_id=EOS,
+                    torch_dtype="float32").save_pretrained(d)
+    return d
+
+
+def kv_value(tokens: torch.Tensor, positions: torch.Tensor, layer: int, head: int) -> torch.Tensor:
+    """What the stand-in forward writes for a token in one global head (exact in float32:
+    values stay below 2**19, where float32 resolves 1/16)."""
+    return tokens.float() * 1000.0 + positions.float() + layer * 0.25 + head * 0.0625
+
+
+def heads_of_rank(total: int, tp: int, rank: int) -> list[int]:
+    """vLLM's split of KV heads over TP ranks (replicated when total < tp)."""
+    if total >= tp:
+        per = total // tp
+        return list(range(rank * per, (rank + 1) * per))
+    return [rank // (tp // total)]
+
+
+@contextlib.contextmanager
+def _as_rank(rank: int, tp: int) -> Iterator[None]:
+    real = connector_mod._tp_info
+    connector_mod._tp_info = lambda: (rank, tp)
+    try:
+        yield
+    finally:
+        connector_mod._tp_info = real
+
+
+class TPEngine:
+    """One engine of TP size ``tp``: a Scheduler and ``tp`` connector workers."""
+
+    def __init__(self, kv_role: str, extra: dict[str, Any], *, tp: int, total_kv_heads: int, block_size: int = 16,
+                 num_blocks: int = 48, engine_id: str | None = None, policy: str = "recompute",
+                 rank_extra: dict[int, dict[str, Any]] | None = None, served_model_name: str | None = None,
+                 dtype: str | None = None) -> None:
+        global _hash_ready
+        register()
+        if not _hash_ready:
+            init_none_hash(sha256)
+            _hash_ready = True
+        self.tp, self.total, self.block_size, self.num_blocks = tp, total_kv_heads, block_size, num_blocks
+        self.engine_id = engine_id or f"{kv_role}-tp{tp}-{next(_ids)}"
+        self.served_model_name, self.dtype = served_model_name, dtype or "float32"
+        self.vllm_config = self._config(kv_role, extra, policy)
+        kv_heads = len(heads_of_rank(total_kv_heads, tp, 0))
+        self.kv_cache_config = KVCacheConfig(
+            num_blocks=num_blocks, kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(
+                [f"layers.{i}" for i in range(NUM_LAYERS)],
+                FullAttentionSpec(block_size=block_size, num_kv_heads=kv_heads, head_size=HEAD_SIZE,
+                                  dtype=torch.float32))])
+        self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
+                                   log_stats=True, structured_output_manager=StructuredOutputManager(self.vllm_config),
+                                   block_size=block_size)
+        self.workers, self.caches = [], []
+        for r in range(tp):
+            cfg = self.vllm_config
+            if rank_extra and r in rank_extra:  # e.g. faults injected on one rank only
+                cfg = self._config(kv_role, {**extra, **rank_extra[r]}, policy)
+            with _as_rank(r, tp):
+                w = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, self.kv_cache_config)
+            caches = {f"layers.{i}": torch.zeros(num_blocks, kv_heads, block_size, 2 * HEAD_SIZE)
+                      for i in range(NUM_LAYERS)}
+            w.register_kv_caches(caches)
+            self.workers.append(w)
+            self.caches.append(caches)
+        self.aggregator = KVOutputAggregator(tp)
+        self.free0 = self.free_blocks()
+        self.outputs: list[Any] = []
+        self.first_start: dict[str, int] = {}
+        self.last_outputs: list[Any] = []
+        #: every counter each rank's connector reported (vLLM's get_kv_connector_stats)
+        self.totals: list[dict[str, float]] = [{} for _ in range(tp)]
+
+    def _config(self, kv_role: str, extra: dict[str, Any], policy: str) -> Any:
+        """harness.make_vllm_config's real VllmConfig, for a model of ``total`` KV heads."""
+        from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+        mc = ModelConfig(model=model_dir(self.total), skip_tokenizer_init=True, dtype=self.dtype, seed=0,
+                         max_model_len=2048, served_model_name=self.served_model_name)
+        sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=2048,
+                             enable_chunked_prefill=True, is_encoder_decoder=False)
+        ktc = KVTransferConfig(kv_connector="KVTransportConnector", kv_role=kv_role, engine_id=self.engine_id,
+                               kv_connector_extra_config=extra, kv_load_failure_policy=policy)
+        cfg = VllmConfig(model_config=mc, scheduler_config=sc,
+                         cache_config=CacheConfig(block_size=self.block_size, cache_dtype="auto",
+                                                  enable_prefix_caching=True),
+                         kv_transfer_config=ktc, device_config=DeviceConfig("cpu"))
+        cfg.parallel_config.tensor_parallel_size = self.tp
+        cfg.cache_config.num_gpu_blocks = self.num_blocks
+        return cfg
+
+    def free_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int, params: dict | None) -> None:
+        req = Request(request_id=rid, prompt_token_ids=list(prompt),
+                      sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True), pooling_params=None,
+                      block_hasher=get_request_block_hasher(self.block_size, sha256))
+        req.kv_transfer_params = dict(params) if params is not None else None
+        self.scheduler.add_request(req)
+
+    def status(self, rid: str) -> RequestStatus | None:
+        req = self.scheduler.requests.get(rid)
+        return None if req is None else req.status
+
+    def block_ids(self, rid: str) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(rid)[0])
+
+    def _compute_kv(self, so: Any, before: dict[str, int]) -> None:
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[rid]
+            start = before[rid]
+            pos = torch.arange(start, start + n)
+            toks = torch.tensor(list(req.all_token_ids) + [0] * (start + n), dtype=torch.int64)[start:start + n]
+            blk = torch.tensor(self.block_ids(rid), dtype=torch.int64)[pos // self.block_size]
+            slot = pos % self.block_size
+            for r, caches in enumerate(self.caches):
+                for hi, head in enumerate(heads_of_rank(self.total, self.tp, r)):
+                    for li, t in enumerate(caches.values()):
+                        t[blk, hi, slot, :] = kv_value(toks, pos, li, head)[:, None]
+
+    def step(self) -> dict[str, Any]:
+        so = self.scheduler.schedule()
+        before = {rid: self.scheduler.requests[rid].num_computed_tokens - n
+                  for rid, n in so.num_scheduled_tokens.items()}
+        for rid, start in before.items():
+            self.first_start.setdefault(rid, start)
+        rows = list(so.num_scheduled_tokens)
+        sampled = [[7] if before[rid] + so.num_scheduled_tokens[rid] >= self.scheduler.requests[rid].num_tokens
+                   else [] for rid in rows]
+        outs = []
+        for r, w in enumerate(self.workers):
+            w.bind_connector_metadata(copy.deepcopy(so.kv_connector_metadata))  # each worker gets its copy
+            w.start_load_kv(None)
+            if r == 0:
+                self._compute_kv(so, before)
+            w.wait_for_save()
+            res = w.get_transfer_results(so.finished_req_ids)
+            stats = w.get_kv_connector_stats()
+            for k, v in (stats.data.items() if stats is not None else ()):
+                if isinstance(v, (int, float)):
+                    self.totals[r][k] = self.totals[r].get(k, 0) + v
+            kvo = KVConnectorOutput(finished_sending=res.finished_sending or None,
+                                    finished_recving=res.finished_recving or None,
+                                    failed_recving=res.failed_recving,
+                                    invalid_block_ids=w.get_block_ids_with_load_errors(),
+                                    kv_connector_stats=stats)
+            w.clear_connector_metadata()
+            outs.append(ModelRunnerOutput(req_ids=rows, req_id_to_index={x: i for i, x in enumerate(rows)},
+                                          sampled_token_ids=[list(s) for s in sampled], logprobs=None,
+                                          prompt_logprobs_dict={}, pooler_output=[], kv_connector_output=kvo))
+        agg = self.aggregator.aggregate(outs)
+        self.last_outputs = [agg]  # vLLM's aggregated output of this step (what the scheduler sees)
+        out = self.scheduler.update_from_output(so, agg)
+        params = {}
+        for eco in out.values():
+            for o in eco.outputs:
+                self.outputs.append(o)
+                if o.kv_transfer_params is not None:
+                    params[o.request_id] = o.kv_transfer_params
+        return params
+
+    def counter(self, key: str) -> float:
+        """A counter summed over every step and rank."""
+        return sum(t.get(key, 0) for t in self.totals)
+
+    def finish_reason(self, rid: str) -> str | None:
+        return next((str(o.finish_reason) for o in self.outputs if o.request_id == rid and o.finish_reason), None)
+
+    def bad_heads(self, rid: str, prompt: list[int]) -> list[tuple[int, int, int]]:
+        """(rank, block index, global head) of every head slice of the prompt's blocks
+        that differs from what the producer computed for it."""
+        bad = []
+        for b_i, b in enumerate(self.block_ids(rid)):
+            lo, hi = b_i * self.block_size, min(len(prompt), (b_i + 1) * self.block_size)
+            if hi <= lo:
+                break
+            pos, toks = torch.arange(lo, hi), torch.tensor(prompt[lo:hi])
+            for r, caches in enumerate(self.caches):
+                for h_i, head in enumerate(heads_of_rank(self.total, self.tp, r)):
+                    for li, t in enumerate(caches.values()):
+                        want = kv_value(toks, pos, li, head)[:, None].expand(hi - lo, 2 * HEAD_SIZE)
+                        if not torch.equal(t[b, h_i, : hi - lo, :], want):
+                            bad.append((r, b_i, head))
+                            break
+        return bad
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.shutdown()
+
+
+def run_until(engines: Iterable[TPEngine], cond: Callable[[], bool], timeout: float = 20.0,
+              on_params: Callable[[dict], None] | None = None) -> None:
+    import time
+
+    engines = list(engines)
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"condition not reached within {timeout}s")
+        for e in engines:
+            params = e.step()
+            if params and on_params:
+                on_params(params)
+        time.sleep(0.001)  # pacing only (as harness.run_until): lets the side-channel threads run

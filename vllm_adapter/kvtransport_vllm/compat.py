@@ -1,0 +1,92 @@
+"""The hand-shake's compatibility check: may bytes move between these two KV caches?
+
+Both sides run it on the other's :class:`~.messages.LayoutInfo` (the consumer on the
+producer's Welcome, the producer on the consumer's Hello), so a refusal is known within
+one hand-shake round trip and no byte ever moves between incompatible caches. Every
+refusal names both values and the fix.
+
+Compared: served model name, model dtype, KV cache dtype, block size, layer count, K/V
+split, total KV heads, head size, the attention layout inside a block; with equal TP
+sizes the bytes per block; with different TP sizes the head split (:mod:`.tp_mapping`)
+and whether the side that must send or receive part of its heads keeps them as one byte
+range per block (``kv_layout.HEADS_OUTER``). Fields a side does not know ("" / 0: a
+worker built without a model config) are not compared.
+"""
+
+from __future__ import annotations
+
+from .kv_layout import HEADS_OUTER
+from .messages import LayoutInfo
+from .tp_mapping import TPMappingError, check_mapping
+
+__all__ = ["refusal"]
+
+_FIX = {
+    "model": "serve the same model (same --served-model-name) on both engines",
+    "model_dtype": "start both engines with the same --dtype",
+    "dtype": "start both engines with the same --kv-cache-dtype (and --dtype)",
+    "block_size": "start both engines with the same --block-size (different block sizes are not remapped)",
+    "num_layers": "serve the same model on both engines",
+    "parts_per_layer": "use the same attention backend on both engines",
+    "total_kv_heads": "serve the same model on both engines",
+    "head_size": "serve the same model on both engines",
+    "attn_layout": "use the same attention backend (KV cache layout) on both engines",
+    "block_bytes": "serve the same model with the same dtype and block size on both engines",
+}
+
+
+def _side(name: str, kv_heads: int, layout: str, other_heads: int) -> str:
+    """Why side ``name`` cannot move part of its heads, or ""."""
+    if kv_heads <= other_heads or layout == HEADS_OUTER:
+        return ""
+    return (f"the {name}'s KV layout is {layout or 'unknown'} ({kv_heads} heads per rank), so it cannot move "
+            f"{other_heads} of them as one byte range per block; different TP sizes need a layout with heads "
+            "outside tokens in each block (vLLM's CPU backend, FlashInfer / HND), or equal TP sizes")
+
+
+def refusal(ours: LayoutInfo, peer: LayoutInfo, us: str = "local", them: str = "peer") -> str:
+    """Why ``ours`` and ``peer`` cannot exchange KV ("" when they can): each difference
+    with both values and its fix."""
+    diffs: list[str] = []
+
+    def cmp(name: str, known: bool = True) -> None:
+        a, b = getattr(ours, name), getattr(peer, name)
+        if known and a != b:
+            diffs.append(f"{name}: {us} {a!r} vs {them} {b!r} ({_FIX[name]})")
+
+    cmp("model", bool(ours.model and peer.model))
+    cmp("model_dtype", bool(ours.model_dtype and peer.model_dtype))
+    for name in ("dtype", "block_size", "num_layers", "parts_per_layer"):
+        cmp(name)
+    heads_known = ours.total_kv_heads > 0 and peer.total_kv_heads > 0
+    cmp("total_kv_heads", heads_known)
+    cmp("head_size", ours.head_size > 0 and peer.head_size > 0)
+    cmp("attn_layout", bool(ours.attn_layout and peer.attn_layout) and ours.kv_heads > 1 and peer.kv_heads > 1)
+    if ours.tp_size == peer.tp_size:
+        cmp("block_bytes")
+    elif not diffs:
+        diffs += _tp_refusal(ours, peer, us, them, heads_known)
+    return "; ".join(diffs)
+
+
+def _tp_refusal(ours: LayoutInfo, peer: LayoutInfo, us: str, them: str, heads_known: bool) -> list[str]:
+    tp = f"tp_size: {us} {ours.tp_size} vs {them} {peer.tp_size}"
+    if not heads_known or ours.kv_heads <= 0 or peer.kv_heads <= 0:
+        return [f"{tp}, and the {them if peer.total_kv_heads <= 0 else us} did not say its KV head count "
+                "(needed to map heads across TP sizes); upgrade kvtransport on both engines or use equal TP sizes"]
+    out = []
+    for side, info in ((us, ours), (them, peer)):
+        try:
+            check_mapping(info.total_kv_heads, info.tp_size, f"{side} TP")
+        except TPMappingError as exc:
+            out.append(f"{tp}: {exc}")
+    if out:
+        return out
+    if ours.block_bytes * peer.kv_heads != peer.block_bytes * ours.kv_heads:
+        out.append(f"{tp}: bytes per head differ ({us} {ours.block_bytes // ours.kv_heads} vs {them} "
+                   f"{peer.block_bytes // peer.kv_heads}); serve the same model with the same dtype on both engines")
+    for side, info, other in ((us, ours, peer), (them, peer, ours)):
+        why = _side(side, info.kv_heads, info.attn_layout, other.kv_heads)
+        if why:
+            out.append(f"{tp}: {why}")
+    return out

@@ -1,0 +1,98 @@
+"""One consumer rank's load of one request, and its pieces (one per producer TP rank).
+
+With equal TP sizes a load has one piece: all heads, from the producer rank of our rank.
+With different TP sizes (:mod:`.tp_mapping`) it has one piece per producer rank holding
+some of our heads; each piece has its own transfer (READ), its own "written" (WRITE), and
+its own confirmation / cancel exchange, matched by the exchange's ``cid``. The load's
+state (:class:`RecvState`) is one for all pieces: it moves on when every piece has, and
+fails as a whole when any piece fails (docs/LIFECYCLE.md, per-piece rules).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from .load_stats import Cause, LoadClock
+from .messages import RecvJob
+from .tp_mapping import Piece
+
+__all__ = ["RecvState", "PieceLoad", "Recv", "WANTS"]
+
+
+class RecvState(enum.Enum):
+    CONNECT = "connect"  # hand-shaking with the producer ranks
+    READ = "read"  # READs posted
+    CONFIRM = "confirm"  # bytes read; asking each producer rank "done with key?"
+    WRITE_WAIT = "write_wait"  # asked the producer ranks to write; waiting for every "written"
+    CANCEL = "cancel"  # gave up after asking for a write: waiting for every producer rank's ack
+    FINISHED = "finished"  # reported to vLLM (done_recving); blocks may be reused
+
+
+#: states in which the consumer still wants the key: its lease is renewed
+WANTS = (RecvState.CONNECT, RecvState.READ, RecvState.CONFIRM, RecvState.WRITE_WAIT)
+
+
+@dataclass
+class PieceLoad:
+    """The part of a load that one producer rank serves."""
+
+    piece: Piece
+    port: int  # that producer rank's side-channel port
+    readers: int  # consumer ranks the producer rank waits for before freeing the blocks
+    transfer: Any = None  # READ
+    instance: str = ""  # READ: producer agent instance the bytes were read from
+    cid: int = 0  # the last confirmation / write request / cancel sent for this piece
+    answer: str = ""  # the producer rank's last verdict ("ok", "acked", ...)
+    written: bool | None = None  # WRITE: this producer rank's "written" verdict
+    #: WRITE: the producer process the write request reached (None: sent while the
+    #: hand-shake was not complete, so the receiving process is unknown)
+    writers: list = field(default_factory=list)
+
+
+@dataclass
+class Recv:
+    job: RecvJob
+    deadline: float
+    started: float
+    state: RecvState = RecvState.CONNECT
+    pieces: list[PieceLoad] = field(default_factory=list)
+    #: producer ranks nobody reads (replicas read elsewhere) we tell to free at once:
+    #: port -> readers (1); sent once, at the first CONNECT step
+    releases: dict[int, int] = field(default_factory=dict)
+    released_unread: bool = False
+    last_sent: float = 0.0
+    error: str = ""
+    aborted: bool = False  # vLLM finished the request (abort) while loading
+    peer_aborted: bool = False
+    write_requested: bool = False
+    post_failed: bool = False  # READ: a piece's post was refused after another was posted
+    clock: LoadClock | None = None  # moments of this load, for its phase timings
+    cause: Cause = Cause.OK  # why it failed (the first cause named wins)
+
+    def fail(self, cause: Cause, error: str, first: bool = False) -> None:
+        """Name why this load fails; ``first``: keep an earlier reason if there is one."""
+        if first and self.error:
+            return
+        self.cause, self.error = cause, error
+
+    def piece_by_cid(self, cid: int) -> PieceLoad | None:
+        return next((pc for pc in self.pieces if pc.cid == cid), None)
+
+    @property
+    def transfer(self) -> Any:
+        """READ: the first piece's transfer (the only one with equal TP sizes)."""
+        return self.pieces[0].transfer if self.pieces else None
+
+    @property
+    def written(self) -> bool | None:
+        """WRITE: True once every piece was written, False if any write failed, else None."""
+        verdicts = [pc.written for pc in self.pieces]
+        if any(v is False for v in verdicts):
+            return False
+        return True if verdicts and all(verdicts) else None
+
+    @property
+    def writers(self) -> list:
+        return [w for pc in self.pieces for w in pc.writers]
