@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from .harness import KV_HEADS, HEAD_SIZE, Pair, prompt_of
+from harness import HEAD_SIZE, KV_HEADS, Pair, prompt_of
 
 WINDOW = 32
 BLOCK = 16
