@@ -151,16 +151,18 @@ class Engine:
                                             kv_load_failure_policy=kv_load_failure_policy, dp_rank=dp_rank)
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         #: KV cache group of each layer: with ``sliding_window`` the engine is a hybrid model
-        #: (vLLM's hybrid KV cache manager): layer 0 full attention (group 0), layer 1 sliding
-        #: window of that many tokens (group 1), each group with its own block ids.
+        #: (vLLM's hybrid KV cache manager) laid out as vLLM lays out such a Llama: layer 0
+        #: sliding window of that many tokens (group 0), layer 1 full attention (group 1),
+        #: each group with its own block ids.
         self.sliding_window = sliding_window
         self.layer_group = [0, 1] if sliding_window else [0] * NUM_LAYERS
+        self.full_group = 1 if sliding_window else 0
         full = FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
                                  dtype=torch.float32)
         if sliding_window:
             sw = SlidingWindowSpec(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
                                    dtype=torch.float32, sliding_window=sliding_window)
-            groups = [KVCacheGroupSpec(["layers.0"], full), KVCacheGroupSpec(["layers.1"], sw)]
+            groups = [KVCacheGroupSpec(["layers.0"], sw), KVCacheGroupSpec(["layers.1"], full)]
         else:
             groups = [KVCacheGroupSpec([f"layers.{i}" for i in range(NUM_LAYERS)], full)]
         self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
@@ -279,18 +281,19 @@ class Engine:
         all_ids = self.scheduler.kv_cache_manager.get_block_ids(rid)
         first_needed = max(0, upto - self.sliding_window) if self.sliding_window else 0
         bad = []
-        for b_i in range(len(all_ids[0])):
+        for b_i in range(len(all_ids[self.full_group])):
             lo = b_i * self.block_size
             hi = min(upto, lo + self.block_size)
             if hi <= lo:
                 break
             for li, t in enumerate(self.kv_caches.values()):
                 g = self.layer_group[li]
-                lo_l = lo if g == 0 else max(lo, first_needed)
+                sliding = g != self.full_group
+                lo_l = max(lo, first_needed) if sliding else lo
                 if hi <= lo_l:
                     continue
                 b = all_ids[g][b_i]
-                if g and b == 0:
+                if sliding and b == 0:
                     bad.append(b_i)  # a block inside the window that the group does not hold
                     break
                 pos = torch.arange(lo_l, hi)

@@ -1,8 +1,8 @@
 """Hybrid models (issue 14, point 4): a full-attention KV cache group and a sliding-window
 group under vLLM's hybrid KV cache manager, with real Schedulers and workers.
 
-The engines here are one model with layer 0 full attention (group 0) and layer 1 sliding
-window (group 1, 32 tokens = 2 blocks of 16). Each group has its own block ids; vLLM
+The engines here are one model with layer 0 sliding window (group 0, 32 tokens = 2 blocks
+of 16) and layer 1 full attention (group 1), in the order vLLM gives such a Llama's groups. Each group has its own block ids; vLLM
 replaces the blocks a sliding-window group no longer needs by its null block. What a
 user checks: the request reaches RUNNING on the decode side with its KV loaded (not
 recomputed), every full-attention block and every sliding-window block inside the window

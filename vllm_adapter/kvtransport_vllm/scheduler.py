@@ -116,8 +116,11 @@ class KVTransportScheduler:
                                                local_block_ids=unhashed, remote_block_ids=[], host="", port=0,
                                                refused=str(found), created_at=time.time()))
             return
-        all_ids = list(blocks.get_block_ids()[0])
-        unhashed = [b.block_id for b in blocks.blocks[0] if b.block_hash is None and not b.is_null]
+        # Blocks cached locally (prefix hit) are counted in a full-attention group: a
+        # sliding-window group's null blocks (out of its window) are not cached ones.
+        g0 = next((g for g, info in enumerate(self.groups) if not info.window_blocks), 0)
+        all_ids = list(blocks.get_block_ids()[g0])
+        unhashed = [b.block_id for b in blocks.blocks[g0] if b.block_hash is None and not b.is_null]
         n_local_cached = len(all_ids) - len(unhashed)
         local = unhashed
         remote: list[int] = []
