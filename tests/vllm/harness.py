@@ -39,7 +39,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
@@ -132,7 +137,7 @@ class Engine:
     def __init__(self, kv_role: str, extra: dict[str, Any], *, block_size: int = 16, num_blocks: int = 64,
                  engine_id: str | None = None, connector_cls: type | None = None,
                  kv_load_failure_policy: str = "fail", max_num_batched_tokens: int = 256,
-                 dp_rank: int = 0) -> None:
+                 dp_rank: int = 0, sliding_window: int | None = None) -> None:
         global _none_hash
         register()
         if not _none_hash:
@@ -145,14 +150,22 @@ class Engine:
                                             max_num_batched_tokens=max_num_batched_tokens,
                                             kv_load_failure_policy=kv_load_failure_policy, dp_rank=dp_rank)
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
-        self.kv_cache_config = KVCacheConfig(
-            num_blocks=num_blocks, kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(
-                [f"layers.{i}" for i in range(NUM_LAYERS)],
-                FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
-                                  dtype=torch.float32),
-            )],
-        )
+        #: KV cache group of each layer: with ``sliding_window`` the engine is a hybrid model
+        #: (vLLM's hybrid KV cache manager) laid out as vLLM lays out such a Llama: layer 0
+        #: sliding window of that many tokens (group 0), layer 1 full attention (group 1),
+        #: each group with its own block ids.
+        self.sliding_window = sliding_window
+        self.layer_group = [0, 1] if sliding_window else [0] * NUM_LAYERS
+        self.full_group = 1 if sliding_window else 0
+        full = FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
+                                 dtype=torch.float32)
+        if sliding_window:
+            sw = SlidingWindowSpec(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
+                                   dtype=torch.float32, sliding_window=sliding_window)
+            groups = [KVCacheGroupSpec(["layers.0"], sw), KVCacheGroupSpec(["layers.1"], full)]
+        else:
+            groups = [KVCacheGroupSpec([f"layers.{i}" for i in range(NUM_LAYERS)], full)]
+        self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         if connector_cls is not None:
             name = f"_Test{connector_cls.__name__}"
             if name not in KVConnectorFactory._registry:
@@ -207,10 +220,10 @@ class Engine:
             pos = torch.arange(start, start + n)
             all_tokens = torch.tensor(list(req.all_token_ids) + [0] * (start + n), dtype=torch.int64)
             toks = all_tokens[start:start + n]
-            block_ids = torch.tensor(self.scheduler.kv_cache_manager.get_block_ids(rid)[0], dtype=torch.int64)
-            blk = block_ids[pos // self.block_size]
+            ids = self.scheduler.kv_cache_manager.get_block_ids(rid)
             slot = pos % self.block_size
             for li, t in enumerate(self.kv_caches.values()):
+                blk = torch.tensor(ids[self.layer_group[li]], dtype=torch.int64)[pos // self.block_size]
                 t[blk, :, slot, :] = kv_pattern(toks, pos, li)[:, None, None]
 
     def step(self) -> dict[str, Any]:
@@ -259,19 +272,34 @@ class Engine:
         return list(self.scheduler.kv_cache_manager.get_block_ids(rid)[0])
 
     def check_kv(self, rid: str, prompt: list[int], upto: int) -> list[int]:
-        """Block indexes of ``rid`` whose first ``upto`` token slots differ from the pattern."""
-        ids = self.block_ids(rid)
+        """Block indexes of ``rid`` whose first ``upto`` token slots differ from the pattern.
+
+        A sliding-window layer is checked only in the blocks its group still holds (vLLM
+        replaces blocks that fell out of the window by its null block, id 0) and only for
+        the tokens inside the window of the last prompt token: attention reads nothing
+        else, so nothing else has to be moved."""
+        all_ids = self.scheduler.kv_cache_manager.get_block_ids(rid)
+        first_needed = max(0, upto - self.sliding_window) if self.sliding_window else 0
         bad = []
-        for b_i, b in enumerate(ids):
+        for b_i in range(len(all_ids[self.full_group])):
             lo = b_i * self.block_size
             hi = min(upto, lo + self.block_size)
             if hi <= lo:
                 break
-            pos = torch.arange(lo, hi)
-            toks = torch.tensor(prompt[lo:hi])
             for li, t in enumerate(self.kv_caches.values()):
-                want = kv_pattern(toks, pos, li)[:, None, None].expand(hi - lo, KV_HEADS, 2 * HEAD_SIZE)
-                got = t[b, :, : hi - lo, :].permute(1, 0, 2)
+                g = self.layer_group[li]
+                sliding = g != self.full_group
+                lo_l = max(lo, first_needed) if sliding else lo
+                if hi <= lo_l:
+                    continue
+                b = all_ids[g][b_i]
+                if sliding and b == 0:
+                    bad.append(b_i)  # a block inside the window that the group does not hold
+                    break
+                pos = torch.arange(lo_l, hi)
+                toks = torch.tensor(prompt[lo_l:hi])
+                want = kv_pattern(toks, pos, li)[:, None, None].expand(hi - lo_l, KV_HEADS, 2 * HEAD_SIZE)
+                got = t[b, :, lo_l - lo: hi - lo, :].permute(1, 0, 2)
                 if not torch.equal(got, want):
                     bad.append(b_i)
                     break
@@ -303,15 +331,18 @@ class Pair:
 
     def __init__(self, mode: str = "read", *, p_extra: dict | None = None, c_extra: dict | None = None,
                  policy: str = "recompute", timeout_s: float = 5.0, lease_s: float = 10.0,
-                 c_block_size: int = 16, consumer_cls: type | None = None) -> None:
+                 c_block_size: int = 16, consumer_cls: type | None = None,
+                 sliding_window: int | None = None) -> None:
         base = free_port_base(8)
         common = {"backend": "loopback", "mode": mode, "transfer_timeout_s": timeout_s, "lease_s": lease_s,
                   "load_failure_policy": policy}
         self.p_port, self.c_port = base, base + 4
-        self.P = Engine("kv_producer", {**common, "side_channel_port": base, **(p_extra or {})}, engine_id="P")
+        self.P = Engine("kv_producer", {**common, "side_channel_port": base, **(p_extra or {})}, engine_id="P",
+                        sliding_window=sliding_window)
         try:
             self.C = Engine("kv_consumer", {**common, "side_channel_port": base + 4, **(c_extra or {})},
-                            engine_id="C", block_size=c_block_size, connector_cls=consumer_cls)
+                            engine_id="C", block_size=c_block_size, connector_cls=consumer_cls,
+                            sliding_window=sliding_window)
         except BaseException:
             self.P.close()
             raise

@@ -64,21 +64,44 @@ def test_supports_hma_so_default_config_keeps_hma():
     assert supports_hma(KVTransportConnector)
 
 
-def test_multi_group_model_fails_at_start_with_the_setting_to_change():
+def _groups(*specs):
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate(specs)])
+
+
+def test_full_and_sliding_window_groups_are_accepted():
+    """A hybrid model (full attention + sliding window) starts with the hybrid KV cache
+    manager on: the connector moves each group's own blocks (tests/vllm/test_hybrid.py)."""
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     from kvtransport_vllm.connector import KVTransportConnector
 
     cfg = make_vllm_config("kv_consumer", {})
-    kcc = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["a"], FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32)),
-        KVCacheGroupSpec(["b"], SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32,
-                                                  sliding_window=32)),
-    ])
-    with pytest.raises(ConnectorConfigError, match="--disable-hybrid-kv-cache-manager"):
+    kcc = _groups(FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32),
+                  SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32,
+                                    sliding_window=32))
+    KVTransportConnector(cfg, KVConnectorRole.SCHEDULER, kcc)
+
+
+def test_mamba_state_group_fails_at_start_naming_the_group_and_the_way_out():
+    """A Mamba (SSM state) group holds one running state per request, not per-token KV
+    blocks: moving it as blocks would be wrong, so the engine refuses to start."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    from kvtransport_vllm.connector import KVTransportConnector
+
+    cfg = make_vllm_config("kv_consumer", {})
+    kcc = _groups(FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32),
+                  MambaSpec(block_size=16, shapes=((4, 64),), dtypes=(torch.float32,)))
+    with pytest.raises(ConnectorConfigError, match="MambaSpec") as exc:
         KVTransportConnector(cfg, KVConnectorRole.SCHEDULER, kcc)
+    assert "layer1" in str(exc.value) and "without a KV connector" in str(exc.value)
 
 
 def test_load_failure_policy_reaches_vllm_scheduler():

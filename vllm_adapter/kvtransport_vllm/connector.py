@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .config import ConnectorConfig, ConnectorConfigError, data_parallel_rank
+from .kv_groups import check_group_kinds, group_infos
 from .messages import KVTransportMetadata
 from .scheduler import KVTransportScheduler
 from .stats import KVTransportStats
@@ -88,13 +89,15 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
                 "the transport (peers read / write it directly), so it cannot be freed or remapped. "
                 "Start vLLM without --enable-sleep-mode."
             )
-        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-        if len(groups) > 1:
+        refused = check_group_kinds(kv_cache_config)
+        if refused:
             raise ConnectorConfigError(
-                f"KVTransportConnector moves one KV cache group, but this model has {len(groups)} "
-                "(hybrid / sliding-window layers under the hybrid KV cache manager). Start vLLM with "
-                "--disable-hybrid-kv-cache-manager to serve it with this connector."
+                "KVTransportConnector moves per-token KV blocks (full attention, MLA, sliding window); "
+                f"this model has KV cache groups it cannot move correctly: {'; '.join(refused)}. Serve this "
+                "model without a KV connector (prefill and decode on one engine), or use a model whose "
+                "layers are all attention layers."
             )
+        groups = group_infos(kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         if self.cfg.load_failure_policy is not None:
             # The scheduler reads kv_load_failure_policy right after building us.
@@ -106,7 +109,7 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: Any = None
         if role == KVConnectorRole.SCHEDULER:
             tp_size = vllm_config.parallel_config.tensor_parallel_size
-            self._scheduler = KVTransportScheduler(self.cfg, block_size, tp_size, dp_rank)
+            self._scheduler = KVTransportScheduler(self.cfg, block_size, tp_size, dp_rank, groups)
         else:
             from .worker import KVTransportWorker
 
@@ -115,7 +118,7 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
             if dtype == "auto":
                 dtype = str(vllm_config.model_config.dtype)
             self._worker = KVTransportWorker(self.cfg, block_size, num_blocks, dtype, tp_rank, tp_size,
-                                             dp_rank, _model_info(vllm_config))
+                                             dp_rank, _model_info(vllm_config), groups)
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
@@ -143,7 +146,9 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        return self._scheduler.request_finished(request, list(block_ids[0]) if block_ids else [])
+        # hybrid models: every group's blocks (a sliding-window group's out-of-window
+        # blocks are vLLM's null block by now and are never moved)
+        return self._scheduler.request_finished(request, tuple(list(g) for g in block_ids))
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:

@@ -292,11 +292,12 @@ class Consumer:
             piece = pc.piece
             try:
                 n = piece.num_heads or ours
+                lg = self.ctx.layer_group
                 local = block_segments(head_slice(self.ctx.local_layouts, ours, piece.local_head, n),
-                                       job.local_block_ids)
+                                       job.local_block_ids, job.group_sizes, lg)
                 theirs = p.info.kv_heads if p.info is not None else 0
                 remote = block_segments(head_slice(p.layouts, theirs, piece.remote_head, n or theirs),
-                                        job.remote_block_ids)
+                                        job.remote_block_ids, job.group_sizes, lg)
                 # the READ's own deadline is the load's (read the clock now: ``now`` was taken at
                 # the start of this progress call, and the core adds the timeout to its clock)
                 pc.transfer = self.ctx.agent.read(p.kvt_peer, local, remote,

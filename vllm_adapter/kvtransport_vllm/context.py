@@ -38,6 +38,8 @@ class WorkerContext:
     agent: Any = None
     layout: LayoutInfo | None = None
     local_layouts: list[kvt.BlockLayout] = field(default_factory=list)
+    #: KV cache group of each layer of local_layouts (hybrid models; []: all in group 0)
+    layer_group: list[int] = field(default_factory=list)
     agent_md: bytes = b""
     #: clients to the reply addresses peers gave us (Written, notices), by (host, port)
     reply_clients: dict[tuple[str, int], SideChannelClient] = field(default_factory=dict)

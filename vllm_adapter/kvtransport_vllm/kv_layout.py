@@ -10,6 +10,7 @@ block is refused with a message instead of guessed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -144,11 +145,23 @@ def remote_layouts(peer: Any, layout: LayoutInfo) -> list[kvt.BlockLayout]:
     return out
 
 
-def block_segments(layouts: list[kvt.BlockLayout], block_ids: list[int]) -> kvt.Segments:
+def block_segments(layouts: list[kvt.BlockLayout], block_ids: list[int], group_sizes: Sequence[int] = (),
+                   layer_group: Sequence[int] = ()) -> kvt.Segments:
     """The byte ranges of ``block_ids`` in every layer and part, in one Segments (no
-    Python loop per block: each layout maps the whole id array at once)."""
+    Python loop per block: each layout maps the whole id array at once).
+
+    Hybrid models (``group_sizes`` non-empty, see kv_groups.py): ``block_ids`` holds the
+    ids of every KV cache group one after another, and layer *i* takes the ids of its
+    group ``layer_group[i]``."""
     ids = np.asarray(block_ids, np.int64)
-    return kvt.Segments.concat([lay.segments(ids) for lay in layouts])
+    if len(group_sizes) <= 1:
+        return kvt.Segments.concat([lay.segments(ids) for lay in layouts])
+    if len(layer_group) != len(layouts):
+        raise KVLayoutError(f"{len(layouts)} layers but a KV cache group is known for {len(layer_group)}")
+    bounds = np.cumsum([0, *group_sizes])
+    if bounds[-1] != len(ids):
+        raise KVLayoutError(f"group sizes {list(group_sizes)} do not add up to {len(ids)} block ids")
+    return kvt.Segments.concat([lay.segments(ids[bounds[g]:bounds[g + 1]]) for lay, g in zip(layouts, layer_group)])
 
 
 def head_slice(layouts: list[kvt.BlockLayout], kv_heads: int, first: int, num: int) -> list[kvt.BlockLayout]:

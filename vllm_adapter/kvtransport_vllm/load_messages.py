@@ -70,7 +70,8 @@ class LoadMessages:
             piece = pc.piece
             whole = piece.num_heads in (0, ours) and (p.info is None or piece.num_heads in (0, p.info.kv_heads))
             pc.cid = p.client.send(WriteReq(
-                key=r.job.key, block_ids=list(r.job.local_block_ids), engine_id=self.ctx.name,
+                key=r.job.key, block_ids=list(r.job.local_block_ids), group_sizes=list(r.job.group_sizes),
+                engine_id=self.ctx.name,
                 reply_host=self.ctx.cfg.side_channel_host, reply_port=self.ctx.port, rank=self.ctx.tp_rank,
                 readers=pc.readers, src_head=0 if whole else piece.remote_head,
                 dst_head=0 if whole else piece.local_head, num_heads=0 if whole else piece.num_heads))

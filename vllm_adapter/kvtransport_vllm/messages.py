@@ -144,6 +144,8 @@ class WriteReq(Msg, tag="write_req"):
     src_head: int = 0
     dst_head: int = 0
     num_heads: int = 0
+    #: hybrid models: ids per KV cache group in ``block_ids`` ([]: one group)
+    group_sizes: list[int] = []
 
 
 class Cancel(Msg, tag="cancel"):
@@ -288,6 +290,8 @@ class RecvJob:
     refused: str = ""
     #: time.time() when the scheduler allocated the blocks (start of the load's timings)
     created_at: float = 0.0
+    #: hybrid models: ids per KV cache group in the flat lists ([]: one group; kv_groups.py)
+    group_sizes: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -297,6 +301,7 @@ class HoldJob:
     req_id: str
     key: str
     block_ids: list[int]
+    group_sizes: list[int] = field(default_factory=list)  # as in RecvJob
 
 
 @dataclass

@@ -20,7 +20,7 @@ silent local prefill. Pure functions, no vLLM import.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .routing import Endpoint, peer_from_params, producer_key, transfer_key
@@ -59,6 +59,8 @@ class RemoteSource:
     remote_block_ids: list[int]
     remote_num_tokens: int | None
     remote_tp: int = 0  # the producer's TP size (0: not forwarded)
+    #: the producer's block ids per KV cache group (one list for a model with one group)
+    remote_block_groups: list[list[int]] = field(default_factory=list)
 
 
 def parse_remote_source(params: dict[str, Any], request_id: str, mode: str, tp_size: int = 1) -> RemoteSource:
@@ -82,7 +84,11 @@ def parse_remote_source(params: dict[str, Any], request_id: str, mode: str, tp_s
     if peer is None or key is None:  # defensive: each None above names a missing key
         raise KVTransferParamsError(request_id, "no producer address or transfer key")
     try:
-        block_ids = [int(b) for b in (blocks or ())]
+        if blocks and isinstance(blocks[0], (list, tuple)):  # hybrid model: ids per KV cache group
+            groups = [[int(b) for b in g] for g in blocks]
+        else:
+            groups = [[int(b) for b in (blocks or ())]]
+        block_ids = groups[0]
         remote_tokens = params.get("remote_num_tokens")
         num_tokens = int(remote_tokens) if remote_tokens else None
         remote_tp = None if params.get("tp_size") is None else int(params["tp_size"])
@@ -95,4 +101,4 @@ def parse_remote_source(params: dict[str, Any], request_id: str, mode: str, tp_s
     # A tp_size other than ours is a heterogeneous-TP load (tp_mapping); whether the heads
     # map is checked by the workers, which know the head count, at the hand-shake.
     return RemoteSource(peer, key, str(params.get("remote_engine_id") or ""), block_ids, num_tokens,
-                        remote_tp or 0)
+                        remote_tp or 0, groups)

@@ -38,6 +38,7 @@ from typing import Any
 import kvtransport as kvt
 
 from .context import WorkerContext
+from .kv_groups import align_tails, flatten, split
 from .kv_layout import block_segments, head_slice, remote_layouts
 from .load_stats import HOLD_CAUSES, Cause, count_outcome, record_transfer
 from .messages import Hello, HoldJob, LayoutInfo, Msg, Reply, WriteReq, Written
@@ -64,6 +65,7 @@ class Dest:
     dst_head: int = 0
     num_heads: int = 0
     readers: int = 1  # consumer ranks the hold serves (several when their TP is larger)
+    group_sizes: list[int] = field(default_factory=list)  # hybrid: ids per KV cache group
 
 
 class HoldState(enum.Enum):
@@ -97,6 +99,7 @@ class Hold:
     finished: dict[int, str] = field(default_factory=dict)
     #: WRITE: further consumer ranks' destinations, written one after another
     queue: list[Dest] = field(default_factory=list)
+    group_sizes: list[int] = field(default_factory=list)  # hybrid: ids per KV cache group
 
     def finish_reader(self, rank: int, how: str, readers: int) -> bool:
         """Consumer ``rank`` is done with us; True when every expected reader is."""
@@ -135,7 +138,8 @@ class Producer:
             if j.key in self.ended:  # consumer released / cancelled before we learnt of it
                 self.done_sending.add(j.req_id)
                 continue
-            hold = Hold(j.req_id, j.key, list(j.block_ids), expiry=now + self.ctx.cfg.lease_s)
+            hold = Hold(j.req_id, j.key, list(j.block_ids), expiry=now + self.ctx.cfg.lease_s,
+                        group_sizes=list(j.group_sizes))
             early = self.early_dest.pop(j.key, None)
             if early is not None:
                 hold.dest, hold.queue = early[0][0], early[0][1:]
@@ -236,16 +240,16 @@ class Producer:
     def _post_write(self, h: Hold, dest: Dest) -> None:
         """Called in POSTING, without the lock; leaves the hold POSTED, NOTIFY (refused)
         or HELD (nothing posted: the consumer's hand-shake has not arrived yet)."""
-        dst_blocks = dest.block_ids
-        n_src = len(h.block_ids)
-        src_blocks = h.block_ids[n_src - len(dst_blocks):] if len(dst_blocks) <= n_src else None
+        # each KV cache group's destination blocks pair with ours at the same positions (both
+        # lists end at the prompt's last block); a model with one group is one such group
+        paired = align_tails(split(h.block_ids, h.group_sizes), split(dest.block_ids, dest.group_sizes))
         next_state, fail, write = HoldState.NOTIFY, "", None
         h.posted_at = time.monotonic()  # POSTING: only this thread touches the hold
         try:
-            if src_blocks is None:
-                fail = f"consumer asked for {len(dst_blocks)} blocks, producer has {n_src}"
+            if isinstance(paired, str):
+                fail = paired
             else:
-                write, next_state = self._write(dest, src_blocks)
+                write, next_state = self._write(dest, *paired)
         except (kvt.errors.KVTransportError, ValueError) as exc:
             fail = f"write refused: {exc}"
         except BaseException:
@@ -260,7 +264,7 @@ class Producer:
             elif next_state is HoldState.NOTIFY:
                 h.write_ok, h.write_reason, h.last_sent = False, fail, 0.0
 
-    def _write(self, dest: Dest, src_blocks: list[int]) -> tuple[Any, HoldState]:
+    def _write(self, dest: Dest, src_groups: list[list[int]], dst_groups: list[list[int]]) -> tuple[Any, HoldState]:
         engine = dest.engine
         peer = self.consumer_peers.get(engine)
         if peer is None:
@@ -272,9 +276,11 @@ class Producer:
         info = self.consumer_layouts[engine]
         ours = self.ctx.layout.kv_heads if self.ctx.layout is not None else 0
         n = dest.num_heads
+        lg = self.ctx.layer_group
         remote = block_segments(head_slice(remote_layouts(peer, info), info.kv_heads, dest.dst_head,
-                                           n or info.kv_heads), dest.block_ids)
-        local = block_segments(head_slice(self.ctx.local_layouts, ours, dest.src_head, n or ours), src_blocks)
+                                           n or info.kv_heads), *flatten(dst_groups), lg)
+        local = block_segments(head_slice(self.ctx.local_layouts, ours, dest.src_head, n or ours),
+                               *flatten(src_groups), lg)
         return (self.ctx.agent.write(peer, local, remote, timeout=self.ctx.cfg.transfer_timeout_s),
                 HoldState.POSTED)
 
@@ -396,7 +402,7 @@ class Producer:
 
     def answer_write_req(self, msg: WriteReq, now: float) -> str:
         dest = Dest(msg.engine_id, list(msg.block_ids), msg.reply_host, msg.reply_port, msg.rank, msg.src_head,
-                    msg.dst_head, msg.num_heads, msg.readers)
+                    msg.dst_head, msg.num_heads, msg.readers, list(msg.group_sizes))
         lease = now + self.ctx.cfg.lease_s
         h = self.holds.get(msg.key)
         if h is not None:

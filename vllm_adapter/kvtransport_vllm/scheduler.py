@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .config import ConnectorConfig, rank_port
+from .kv_groups import GroupInfo, clip_windows, flatten, pair_by_position
 from .messages import HoldJob, KVTransportMetadata, PeerNotice, RecvJob
 from .params import KVTransferParamsError, RemoteSource, parse_remote_source
 from .routing import parse_router_request_id, producer_key
@@ -29,8 +30,11 @@ __all__ = ["KVTransportScheduler"]
 
 
 class KVTransportScheduler:
-    def __init__(self, cfg: ConnectorConfig, block_size: int, tp_size: int = 1, dp_rank: int = 0) -> None:
+    def __init__(self, cfg: ConnectorConfig, block_size: int, tp_size: int = 1, dp_rank: int = 0,
+                 groups: list[GroupInfo] | None = None) -> None:
         self.cfg = cfg
+        #: KV cache groups (hybrid models: more than one; kv_groups.py)
+        self.groups = groups or []
         self.block_size = block_size
         self.tp_size = tp_size
         #: the base port of this DP rank's workers, advertised as ``remote_port``: worker
@@ -112,12 +116,38 @@ class KVTransportScheduler:
                                                local_block_ids=unhashed, remote_block_ids=[], host="", port=0,
                                                refused=str(found), created_at=time.time()))
             return
-        all_ids = list(blocks.get_block_ids()[0])
-        unhashed = [b.block_id for b in blocks.blocks[0] if b.block_hash is None and not b.is_null]
+        # Blocks cached locally (prefix hit) are counted in a full-attention group: a
+        # sliding-window group's null blocks (out of its window) are not cached ones.
+        g0 = next((g for g, info in enumerate(self.groups) if not info.window_blocks), 0)
+        all_ids = list(blocks.get_block_ids()[g0])
+        unhashed = [b.block_id for b in blocks.blocks[g0] if b.block_hash is None and not b.is_null]
         n_local_cached = len(all_ids) - len(unhashed)
         local = unhashed
         remote: list[int] = []
-        if self.cfg.mode == "read":
+        sizes: list[int] = []
+        if len(self.groups) > 1:
+            # hybrid: every group's blocks from the first block not cached locally, paired
+            # by position with the producer's (READ) or clipped to the window (WRITE)
+            per_group = [list(ids) for ids in blocks.get_block_ids()]
+            if self.cfg.mode == "read" and len(src.remote_block_groups) != len(per_group):
+                # never pair one group's ids with another's: fail the load (load failure policy)
+                self._meta.notices.append(PeerNotice(src.key, src.peer.host, src.peer.port, "release",
+                                                     src.remote_tp))
+                self._meta.recv.append(RecvJob(
+                    req_id=request.request_id, key="", mode=self.cfg.mode, local_block_ids=unhashed,
+                    remote_block_ids=[], host="", port=0,
+                    refused=(f"the producer sent block ids for {len(src.remote_block_groups)} KV cache "
+                             f"group(s), this engine has {len(per_group)}: both engines must serve the "
+                             "same model with the same hybrid KV cache manager setting"),
+                    created_at=time.time()))
+                return
+            if self.cfg.mode == "read":
+                lo, re = pair_by_position(per_group, src.remote_block_groups, n_local_cached, self.groups)
+                local, sizes = flatten(lo)
+                remote, _ = flatten(re)
+            else:
+                local, sizes = flatten(clip_windows([ids[n_local_cached:] for ids in per_group], self.groups))
+        elif self.cfg.mode == "read":
             remote = src.remote_block_ids[n_local_cached : n_local_cached + len(local)]
             local = local[: len(remote)]
         self.loading[request.request_id] = src.key
@@ -133,6 +163,7 @@ class KVTransportScheduler:
                 remote_engine_id=src.remote_engine_id,
                 remote_tp=src.remote_tp,
                 created_at=time.time(),
+                group_sizes=sizes,
             )
         )
 
@@ -151,8 +182,15 @@ class KVTransportScheduler:
         for key, host, port, remote_tp in self.queued.values():
             self._meta.notices.append(PeerNotice(key, host, port, "renew", remote_tp))
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int] | tuple[list[int], ...]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """``block_ids``: the request's blocks (one group) or a tuple of them per KV cache
+        group (hybrid models, from ``request_finished_all_groups``)."""
         from vllm.v1.request import RequestStatus
+
+        per_group = [list(g) for g in block_ids] if isinstance(block_ids, tuple) else [list(block_ids)]
+        flat, sizes = flatten(per_group)
+        block_ids = flat
 
         rid = request.request_id
         params = request.kv_transfer_params
@@ -191,7 +229,7 @@ class KVTransportScheduler:
             return False, None
 
         self.held[rid] = key
-        self._meta.hold.append(HoldJob(req_id=rid, key=key, block_ids=list(block_ids)))
+        self._meta.hold.append(HoldJob(req_id=rid, key=key, block_ids=list(block_ids), group_sizes=sizes))
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -199,7 +237,8 @@ class KVTransportScheduler:
             "remote_request_id": rid,
             "remote_host": self.cfg.side_channel_host,
             "remote_port": self.remote_port,
-            "remote_block_ids": list(block_ids),
+            # one group: a flat list (what NixlConnector-style routers expect); hybrid: per group
+            "remote_block_ids": list(block_ids) if not sizes else per_group,
             "remote_num_tokens": int(request.num_computed_tokens),
             "transfer_id": key,
             "lease_expires_at": time.time() + self.cfg.lease_s,

@@ -39,6 +39,7 @@ from .config import ConnectorConfig, ConnectorConfigError, rank_port
 from .consumer import Consumer, Recv, plan_ranks
 from .context import WorkerContext, new_stats
 from .handlers import SideChannelHandlers
+from .kv_groups import GroupInfo
 from .kv_layout import KVLayoutError, check_uniform, describe_kv_caches
 from .messages import Aborted, KVTransportMetadata, LayoutInfo, Msg, PeerNotice, Release, Renew
 from .producer import Hold, Producer
@@ -77,6 +78,7 @@ class KVTransportWorker:
         tp_size: int = 1,
         dp_rank: int = 0,
         model: ModelInfo | None = None,
+        groups: list[GroupInfo] | None = None,
     ) -> None:
         if cfg.gil_switch_interval_s > 0:
             # vLLM's worker loop busy-waits in Python for its next step, so our side-channel
@@ -98,6 +100,8 @@ class KVTransportWorker:
         self.ctx = WorkerContext(cfg, self.name, self.port, tp_rank, self._auth, tp_size)
         #: what the hand-shake compares besides the cache itself (None: not known)
         self.model = model
+        #: KV cache groups (hybrid models: several, each with its own block ids)
+        self.groups = groups or []
         self.consumer = Consumer(self.ctx)
         self.producer = Producer(self.ctx)
         self.handlers = SideChannelHandlers(self.ctx, self.producer, self.consumer)
@@ -162,6 +166,8 @@ class KVTransportWorker:
         opts["name"] = self.name
         ctx = self.ctx
         ctx.agent = kvt.open(self.cfg.backend, **opts)
+        group_of = {name: g for g, info in enumerate(self.groups) for name in info.layers}
+        ctx.layer_group = [group_of.get(name, 0) for name in kv_caches] if len(self.groups) > 1 else []
         part_regions, strides = [], []
         try:
             for lm in layers:
