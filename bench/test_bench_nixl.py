@@ -1,10 +1,11 @@
-"""Overhead of kvtransport's ``nixl`` backend over raw NIXL, two processes.
+"""Overhead of kvtransport's ``nixl`` backend over raw NIXL, two processes and one.
 
 Run: ``cd /work/main && .venv/bin/python -m pytest bench/test_bench_nixl.py -q -s`` (``-s``
 prints the table). Needs the ``nixl`` extra (``pip install 'kvtransport[nixl]'``).
 
-Topology: the initiator in this process, the target in a spawned child (the real
-prefill/decode topology). Both systems use the **same two buffers** (each registered with
+Topologies (``$KVT_BENCH_NIXL_TOPOLOGIES``, default both): ``xproc`` — the initiator in
+this process, the target in a spawned child (the real prefill/decode topology);
+``inproc`` — the same target in this process. Both systems use the **same two buffers** (each registered with
 both a raw NIXL agent and a kvtransport agent), NIXL's UCX plugin with the same (default)
 UCX transports, and NIXL's progress thread on both sides.
 
@@ -28,6 +29,7 @@ Every case's first round of each system is checked byte for byte. No timing is a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import multiprocessing as mp
@@ -47,12 +49,18 @@ ROUNDS = {"16MiB": 60, "256MiB": 12, "4096x16KiB": 24}
 BLOCKS = 6
 TARGET = {"16MiB": 0.95, "256MiB": 0.95, "4096x16KiB": 0.90}
 POLL_S = 5e-5
+#: ``xproc``: the far side in a spawned child (the real topology); ``inproc``: in this process.
+TOPOLOGIES = os.environ.get("KVT_BENCH_NIXL_TOPOLOGIES", "xproc,inproc").split(",")
 OUT = os.environ.get("KVT_BENCH_NIXL_OUT", "/tmp/kvt_bench_nixl.json")
 RESULTS: list[dict] = []
 
 
+@functools.lru_cache(maxsize=4)
 def _pattern(seed: int, n: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    """Random bytes, made once per seed (``integers`` over 256 MiB took seconds per check here)."""
+    p = np.frombuffer(np.random.default_rng(seed).bytes(n), np.uint8)
+    p.flags.writeable = False
+    return p
 
 
 def _sha(buf: np.ndarray, offs: np.ndarray, n: int) -> str:
@@ -62,36 +70,72 @@ def _sha(buf: np.ndarray, offs: np.ndarray, n: int) -> str:
     return h.hexdigest()
 
 
+class _Target:
+    """Buffer B behind a raw NIXL agent and a kvtransport agent: the far side of every case."""
+
+    def __init__(self, size: int) -> None:
+        from kvtransport_nixl import _probe
+        m = _probe.nixl()
+        self.size = size
+        self.buf = np.zeros(size, np.uint8)
+        self.raw = m.nixl_agent(f"bench-raw-t-{os.getpid()}", m.nixl_agent_config(backends=["UCX"]))
+        self.raw.register_memory(self.raw.get_reg_descs(np.array([[self.buf.ctypes.data, size, 0]], np.uint64),
+                                                        "DRAM"))
+        self.kv = kvt.open("nixl", name="bench-kvt-t")
+        self.region = self.kv.register(self.buf)
+
+    def hello(self) -> tuple:
+        return self.raw.get_agent_metadata(), self.buf.ctypes.data, self.kv.metadata(), self.region.id
+
+    def handle(self, cmd: str, arg):
+        if cmd == "fill":
+            self.buf[:] = _pattern(arg, self.size)
+            return True
+        if cmd == "sha":
+            offs, n = arg
+            return _sha(self.buf, offs, n)
+        self.kv.close()
+        return None
+
+
 def _target_main(conn, size: int) -> None:  # pragma: no cover - runs in the child
-    from kvtransport_nixl import _probe
-    m = _probe.nixl()
-    buf = np.zeros(size, np.uint8)
-    raw = m.nixl_agent(f"bench-raw-t-{os.getpid()}", m.nixl_agent_config(backends=["UCX"]))
-    raw.register_memory(raw.get_reg_descs(np.array([[buf.ctypes.data, size, 0]], np.uint64), "DRAM"))
-    kv = kvt.open("nixl", name="bench-kvt-t")
-    region = kv.register(buf)
-    conn.send((raw.get_agent_metadata(), buf.ctypes.data, kv.metadata(), region.id))
+    t = _Target(size)
+    conn.send(t.hello())
     while True:
         cmd, arg = conn.recv()
-        if cmd == "fill":
-            buf[:] = _pattern(arg, size)
-            conn.send(True)
-        elif cmd == "sha":
-            offs, n = arg
-            conn.send(_sha(buf, offs, n))
-        else:
+        out = t.handle(cmd, arg)
+        if cmd == "exit":
             break
-    kv.close()
+        conn.send(out)
+
+
+class _InProcess:
+    """The same far side in this process, behind the pipe interface of the child."""
+
+    def __init__(self, size: int) -> None:
+        self.t = _Target(size)
+        self._out = [self.t.hello()]
+
+    def send(self, msg) -> None:
+        self._out.append(self.t.handle(*msg))
+
+    def recv(self):
+        return self._out.pop(0)
 
 
 class _Bench:
-    def __init__(self) -> None:
+    def __init__(self, topology: str) -> None:
         from kvtransport_nixl import _probe
         m = _probe.nixl()
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_target_main, args=(child, BUF), daemon=True)
-        self.proc.start()
+        self.topology = topology
+        self.proc = None
+        if topology == "xproc":
+            ctx = mp.get_context("spawn")
+            self.conn, child = ctx.Pipe()
+            self.proc = ctx.Process(target=_target_main, args=(child, BUF), daemon=True)
+            self.proc.start()
+        else:
+            self.conn = _InProcess(BUF)
         raw_md, self.taddr, kv_md, self.trid = self.conn.recv()
         self.buf = np.zeros(BUF, np.uint8)
         self.raw = m.nixl_agent(f"bench-raw-i-{os.getpid()}", m.nixl_agent_config(backends=["UCX"]))
@@ -163,22 +207,23 @@ class _Bench:
             assert self.call("sha", (ro, n)) == _sha(self.buf, lo, n), "WRITE bytes differ"
 
     def close(self) -> None:
+        self.kv.close()
         try:
-            self.call("exit")
+            self.conn.send(("exit", None))
         except (OSError, EOFError):
             pass
-        self.proc.join(10)
-        self.kv.close()
+        if self.proc is not None:
+            self.proc.join(10)
 
 
-@pytest.fixture(scope="module")
-def bench():
+@pytest.fixture(scope="module", params=TOPOLOGIES)
+def bench(request):
     from kvtransport.testing.required import skip_unless_usable
     skip_unless_usable("nixl")
-    b = _Bench()
+    b = _Bench(request.param)
     yield b
     b.close()
-    _report()
+    _report(request.param)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -203,24 +248,27 @@ def test_kvtransport_over_nixl_vs_raw_nixl(bench, op, case):
     bench.raw.release_xfer_handle(handle)
     nbytes = len(lo) * n
     raw_s, kvt_s, one_s = (float(np.median(times[k])) for k in ("raw", "kvt", "kvt1"))
-    RESULTS.append({"case": case, "op": op, "raw_GBps": round(nbytes / raw_s / 1e9, 3),
+    q = {k: [round(float(x) * 1e3, 3) for x in np.percentile(times[k], [25, 75])] for k in ("raw", "kvt")}
+    RESULTS.append({"topology": bench.topology, "case": case, "op": op, "raw_ms_iqr": q["raw"],
+                    "kvt_ms_iqr": q["kvt"], "raw_GBps": round(nbytes / raw_s / 1e9, 3),
                     "kvt_GBps": round(nbytes / kvt_s / 1e9, 3), "ratio": round(raw_s / kvt_s, 3),
                     "overhead_pct": round(100 * (kvt_s - raw_s) / raw_s, 1), "target": TARGET[case],
                     "oneoff_GBps": round(nbytes / one_s / 1e9, 3), "oneoff_ratio": round(raw_s / one_s, 3),
                     "rounds": ROUNDS[case]})
 
 
-def _report() -> None:
+def _report(topology: str) -> None:
+    """Print this topology's rows; write every row so far to ``OUT``."""
     if not RESULTS:
         return
-    lines = [f"{'case':<11} {'op':<5} {'raw GB/s':>9} {'kvt GB/s':>9} {'kvt/raw':>8} {'overhead':>9} "
+    lines = [f"{'topology':<8} {'case':<11} {'op':<5} {'raw GB/s':>9} {'kvt GB/s':>9} {'kvt/raw':>8} {'overhead':>9} "
              f"{'target':<12} {'one-off GB/s':>12} {'one-off/raw':>11}"]
-    for r in RESULTS:
+    for r in (r for r in RESULTS if r["topology"] == topology):
         ok = "met" if r["ratio"] >= r["target"] else "MISSED"
-        lines.append(f"{r['case']:<11} {r['op']:<5} {r['raw_GBps']:>9.2f} {r['kvt_GBps']:>9.2f} "
+        lines.append(f"{r['topology']:<8} {r['case']:<11} {r['op']:<5} {r['raw_GBps']:>9.2f} {r['kvt_GBps']:>9.2f} "
                      f"{r['ratio']:>8.3f} {r['overhead_pct']:>8.1f}% >={r['target']:<4} {ok:<6} "
                      f"{r['oneoff_GBps']:>12.2f} {r['oneoff_ratio']:>11.3f}")
-    print("\nkvtransport-over-nixl vs raw NIXL, two processes (medians)\n" + "\n".join(lines))
+    print("\nkvtransport-over-nixl vs raw NIXL (medians)\n" + "\n".join(lines))
     try:
         with open(OUT, "w") as fh:
             json.dump({"when": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": RESULTS}, fh, indent=1)

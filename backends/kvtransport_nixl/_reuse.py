@@ -34,7 +34,7 @@ LIMIT = 256
 
 
 class Entry:
-    __slots__ = ("ref", "rrem", "rlen", "op", "conn", "idle")
+    __slots__ = ("ref", "rrem", "rlen", "op", "conn", "nbytes", "idle")
 
     def __init__(self, req: PostRequest, conn: Any) -> None:
         self.ref = weakref.ref(req.local_addr)
@@ -42,6 +42,8 @@ class Entry:
         self.rlen = weakref.ref(req.length)
         self.op = req.op
         self.conn = conn
+        #: ``req.nbytes`` sums the lengths on every call; a preparation's total never changes.
+        self.nbytes = req.nbytes
         self.idle: list[tuple[Any, bool]] = []  # (NIXL request, carries a notification)
 
 
@@ -58,9 +60,11 @@ class RequestCache:
 
     def take(self, req: PostRequest, conn: Any) -> tuple[Any, Entry | None]:
         """A finished NIXL request to re-post for ``req`` (or None), and the entry to give
-        the request back to when its transfer is done (None: do not keep it)."""
-        if req.local_addr.flags.writeable or req.remote_addr.flags.writeable or req.length.flags.writeable:
-            return None, None  # not a core preparation: its arrays may change
+        the request back to when its transfer is done (None: do not keep it).
+
+        The read-only check runs when an entry is created, not on every post (reading
+        numpy's ``flags`` costs more than the rest of a hit): an entry exists only for
+        arrays that were read-only then, and a hit needs those very objects."""
         key = id(req.local_addr)
         e = self._d.get(key)
         if e is not None and (e.ref() is not req.local_addr or e.rrem() is not req.remote_addr
@@ -68,6 +72,8 @@ class RequestCache:
             _release(self._d.pop(key))
             e = None
         if e is None:
+            if req.local_addr.flags.writeable or req.remote_addr.flags.writeable or req.length.flags.writeable:
+                return None, None  # not a core preparation: its arrays may change
             e = self._d[key] = Entry(req, conn)
             while len(self._d) > LIMIT:
                 _release(self._d.popitem(last=False)[1])

@@ -308,7 +308,7 @@ class NixlBackend(Backend):
                                                   conn.nixl_name, notif)
             except Exception as exc:
                 raise KVTransportError(nixl_error(exc, f"NIXL refused the transfer to {conn.name!r}")) from None
-        nbytes = req.nbytes
+        nbytes = entry.nbytes if entry is not None else req.nbytes
         x = Xfer(req.transfer_id, conn, handle, nbytes, notif, entry)
         conn.xfers.add(x)
         self._live.add(x)
