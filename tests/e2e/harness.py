@@ -38,6 +38,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_side_channel_base(n: int) -> int:
+    """A port with ``n`` consecutive free ports from it (a side channel's base: rank r
+    listens on base + r), below the kernel's ephemeral range: vLLM's engines pick their own
+    internal ports (a TP=2 engine several) by binding port 0, i.e. from that range, and one
+    of them took a side-channel port chosen there before the engines started (seen:
+    "Address already in use" at start-up)."""
+    import random
+
+    rng_file = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(rng_file.read_text().split()[0]) if rng_file.exists() else 32768
+    for _ in range(100):
+        base = random.randrange(max(1024, low - 12000), low - n)
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("", port))  # every interface: workers with no host listen on all
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free port range below the ephemeral range")
+
+
 def base_env(cpu: int | None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(

@@ -32,9 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import secrets
-import socket
 import time
 from pathlib import Path
 
@@ -75,24 +73,6 @@ async def _complete_all(url: str, ps: list[list[int]]) -> list[list[int]]:
 
 
 _REFERENCE: dict[str, tuple] = {}
-
-
-def _side_channel_port(span: int = 4) -> int:
-    """A side-channel base port with ``span`` free ports, below Linux's ephemeral range
-    (32768-60999): a port the OS hands out for ``bind(0)`` can be taken again by any
-    process's outgoing or internal socket (the vLLM servers start many) before the engine
-    binds it."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 32000 - span)
-        try:
-            for p in range(base, base + span):
-                with socket.socket() as s:
-                    s.bind(("", p))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free side-channel port range below 32000")
 
 
 def _single_engine_tokens(model: Path, name: str, log_dir: Path, ps: list[list[int]]) -> dict:
@@ -170,7 +150,8 @@ def kind_pair(request, tmp_path_factory, log_dir):
     model, vocab, ref = _reference(kind, tmp_path_factory, log_dir)
     tag = f"{kind}-{mode}"
     env = {"KVTRANSPORT_SECRET": secrets.token_hex(16)}
-    pre_port, dec_port = _side_channel_port(), _side_channel_port()
+    pre_port = harness.free_side_channel_base(4)
+    dec_port = pre_port + 2  # one free range: neither engine's port can be the other's
     prefill = harness.vllm_server(f"prefill-{tag}", model, log_dir, cpu=0, env_extra=env,
                                   kv_transfer_config=connector_config("kv_producer", mode, backend, pre_port))
     decode = harness.vllm_server(f"decode-{tag}", model, log_dir, cpu=1, env_extra=env,
