@@ -97,8 +97,8 @@ def test_soak_detects_stale_reads_when_the_guard_is_removed(monkeypatch):
 
     real = Consumer._on_status
 
-    def accept_expired(self, r, status):
-        return real(self, r, "ok" if status == "expired" else status)
+    def accept_expired(self, r, piece, status):
+        return real(self, r, piece, "ok" if status == "expired" else status)
 
     monkeypatch.setattr(Consumer, "_on_status", accept_expired)
     cfg = SoakConfig(mode="read", requests=80, seed=5, num_blocks=96, late_forward_rate=0.3, p_abort_rate=0,
