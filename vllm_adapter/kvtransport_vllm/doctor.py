@@ -10,8 +10,10 @@ finding with the fix:
    consumer's hand-shake gets: engine id, role, mode, backend, agent metadata, KV
    layout). An unsealed refusal means the secrets differ.
 3. **compatibility** — roles, mode, backend and backend version, and the KV layout
-   (block size, dtype, layers, block bytes, K/V split, TP size), as the consumer's
-   hand-shake compares them.
+   (model, dtypes, block size, layers, head geometry, attention layout, and whether the two
+   TP sizes map onto each other), with the hand-shake's own check (:mod:`.compat`). The
+   engines may have different TP sizes: each engine's ranks are found from its rank 0's
+   TP size and each is checked on its own.
 4. **data path, both ways** — the doctor opens its own agent with the engines' backend and
    registers its own scratch memory. It READs one block from each engine (the consumer's
    direction in READ mode), then asks the engine (``ProbeWrite``) to WRITE the same block
@@ -38,6 +40,7 @@ import kvtransport as kvt
 from kvtransport.auth import AuthConfigError, AuthError, Authenticator, load_secret
 from kvtransport.metadata import decode_metadata
 
+from .compat import refusal
 from .config import AUTH_CHANNEL
 from .kv_layout import block_segments, remote_layouts
 from .messages import (
@@ -234,9 +237,10 @@ def _probe(v: Verdict, who: str, host: str, port: int, auth: Authenticator | Non
     return None
 
 
-def _compare(v: Verdict, rank: int, pre: ProbeInfo, dec: ProbeInfo) -> bool:
-    """Roles, mode, backend and layout, as the hand-shake compares them."""
-    subject, ok = f"pair, rank {rank}", True
+def _compare(v: Verdict, pre: ProbeInfo, dec: ProbeInfo) -> bool:
+    """Roles, mode, backend and layout, as the hand-shake compares them (rank 0 of each
+    engine: every rank of an engine shares its layout but for its own memory)."""
+    subject, ok = "pair", True
     if pre.kv_role not in ("kv_producer", "kv_both") or dec.kv_role not in ("kv_consumer", "kv_both"):
         ok = False
         v.add("compat", subject, False, f"roles: prefill is {pre.kv_role}, decode is {dec.kv_role}",
@@ -254,14 +258,14 @@ def _compare(v: Verdict, rank: int, pre: ProbeInfo, dec: ProbeInfo) -> bool:
         if pv != dv:
             ok = False
             v.add("backend", subject, False, f"{pre.backend} backend versions differ: {pv} vs {dv}", FIX_BACKEND)
-    diff = pre.layout.mismatch(dec.layout)
+    diff = refusal(pre.layout, dec.layout, "prefill", "decode")
     if diff:
         ok = False
-        v.add("layout", subject, False, f"layout mismatch: {diff.replace('local', 'prefill').replace('peer', 'decode')}",
-              FIX_LAYOUT)
+        v.add("layout", subject, False, f"layout mismatch: {diff}", FIX_LAYOUT)
     if ok:
         lay = pre.layout
-        v.add("compat", subject, True, f"same {pre.backend} backend, {pre.mode} mode, layout: {lay.num_layers} layers "
+        v.add("compat", subject, True, f"same {pre.backend} backend, {pre.mode} mode, prefill TP {lay.tp_size} -> "
+              f"decode TP {dec.layout.tp_size}, layout: {lay.num_layers} layers "
               f"x {lay.parts_per_layer} part(s) x {lay.block_bytes} B, block size {lay.block_size}, {lay.dtype}")
     return ok
 
@@ -354,21 +358,23 @@ def run_doctor(prefill: tuple[str, int], decode_: tuple[str, int], secret: bytes
     auth = Authenticator(secret, AUTH_CHANNEL) if secret is not None else None
     opts = dict(backend_options or {})
     ends = {"prefill": prefill, "decode": decode_}
-    rank, tp_size = 0, 1
-    while rank < tp_size:  # TP rank r of each engine listens on its base port + r
-        infos = {role: _probe(v, f"{role} rank {rank}", host, base + rank, auth, timeout_s)
-                 for role, (host, base) in ends.items()}
-        for role, info in infos.items():  # each engine's data path on its own
+    # Rank 0 of each engine first: its layout says how many TP ranks the engine has (rank r
+    # listens on its base port + r); the two engines may have different TP sizes.
+    infos: dict[str, dict[int, ProbeInfo]] = {}
+    for role, (host, base) in ends.items():
+        first = _probe(v, f"{role} rank 0", host, base, auth, timeout_s)
+        infos[role] = {0: first} if first is not None else {}
+    for role, (host, base) in ends.items():
+        if not infos[role]:
+            continue
+        for rank in range(1, max(1, infos[role][0].layout.tp_size)):
+            info = _probe(v, f"{role} rank {rank}", host, base + rank, auth, timeout_s)
             if info is not None:
-                host, base = ends[role]
-                _move_block(v, f"{role} rank {rank}", host, base + rank, info, auth, opts, block_id, timeout_s)
-        pre, dec = infos["prefill"], infos["decode"]
-        if pre is None or dec is None:
-            break  # the other ranks cannot be located without rank 0's answer
-        _compare(v, rank, pre, dec)
-        if rank == 0:
-            tp_size = max(pre.layout.tp_size, dec.layout.tp_size, 1)
-        rank += 1
+                infos[role][rank] = info
+        for rank, info in infos[role].items():  # each rank's data path on its own
+            _move_block(v, f"{role} rank {rank}", host, base + rank, info, auth, opts, block_id, timeout_s)
+    if infos["prefill"] and infos["decode"]:
+        _compare(v, infos["prefill"][0], infos["decode"][0])
     return v
 
 
