@@ -32,7 +32,7 @@ import pytest
 from . import conftest, harness, prompts
 from .harness import BLOCK_SIZE
 from .test_disagg import _prompt_tokens, wait_idle
-from .tiny_model import HEAD_DIM, INIT_STD, MAX_POSITIONS, SEED, _build_tokenizer
+from .tiny_model import HEAD_DIM, INIT_STD, MAX_POSITIONS, _build_tokenizer, save_random_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
@@ -57,7 +57,6 @@ def _seed(p: int, d: int, mode: str) -> int:
 
 def _build_model4(out: Path) -> Path:
     """The e2e tiny Llama (same tokenizer, same recipe) with 4 KV heads of head_dim 64."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
@@ -70,13 +69,7 @@ def _build_model4(out: Path) -> Path:
                          num_hidden_layers=2, num_attention_heads=KV_HEADS, num_key_value_heads=KV_HEADS,
                          head_dim=HEAD_DIM, max_position_embeddings=MAX_POSITIONS, initializer_range=INIT_STD,
                          bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype="float32")
-    torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, prm in model.named_parameters():
-            if "norm" not in name:
-                prm.normal_(0.0, INIT_STD)
-    model.save_pretrained(str(out), safe_serialization=True)
+    save_random_model(LlamaForCausalLM, config, out)
     return out
 
 
