@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+import harness
 from harness import EOS  # also sets the environment every engine here needs (offline, secret)
 from vllm import SamplingParams
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -253,15 +254,5 @@ class TPEngine:
 
 def run_until(engines: Iterable[TPEngine], cond: Callable[[], bool], timeout: float = 20.0,
               on_params: Callable[[dict], None] | None = None) -> None:
-    import time
-
-    engines = list(engines)
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"condition not reached within {timeout}s")
-        for e in engines:
-            params = e.step()
-            if params and on_params:
-                on_params(params)
-        time.sleep(0.001)  # pacing only (as harness.run_until): lets the side-channel threads run
+    """harness.run_until over multi-rank engines (anything with ``step()``), 20 s default."""
+    harness.run_until(engines, cond, timeout, on_params)  # type: ignore[arg-type]
