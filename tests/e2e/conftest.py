@@ -18,12 +18,10 @@ live servers are attached to the report.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
 import secrets
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -158,25 +156,21 @@ PAIR_PARAMS = [pytest.param((b, m), id=f"{b}-{m}") for b in E2E_BACKENDS for m i
 BASELINE_SEEDS = [prompts.pair_seed(b, m) for b in E2E_BACKENDS for m in ("read", "write")]
 
 
-@contextlib.contextmanager
-def running_pair(tag: str, model: Path, log_dir: Path, kv_config: Callable[[str, int], dict],
-                 env: dict[str, str] | None = None
-                 ) -> Iterator[tuple[tuple[harness.VllmServer, harness.VllmServer, harness.VllmServer], dict[str, float]]]:
-    """Start a prefill engine (CPU 0), a decode engine (CPU 1) and the example proxy, yield
-    ``((prefill, decode, proxy), start-up seconds)``, stop all three however the block ends.
-
-    ``kv_config(role, side_port)`` gives each engine's ``--kv-transfer-config``. Both
-    side-channel bases come from one free range below the ephemeral ports, so neither can
-    be the other's or a port an engine picks for itself. The engines share one cluster
-    secret, passed through the environment so it never shows in a command line or log.
-    """
-    pre_port = harness.free_side_channel_base(8)
-    dec_port = pre_port + 4
-    env = {"KVTRANSPORT_SECRET": secrets.token_hex(16), **(env or {})}
-    prefill = harness.vllm_server(f"prefill-{tag}", model, log_dir, cpu=0, env_extra=env,
-                                  kv_transfer_config=kv_config("kv_producer", pre_port))
-    decode = harness.vllm_server(f"decode-{tag}", model, log_dir, cpu=1, env_extra=env,
-                                 kv_transfer_config=kv_config("kv_consumer", dec_port))
+@pytest.fixture(scope="module", params=PAIR_PARAMS)
+def pair(request, tiny_model, log_dir, baseline):
+    backend, mode = request.param
+    skip_unless_usable(backend)
+    tag = f"{backend}-{mode}"
+    pre_port, dec_port = harness.free_port(), harness.free_port()
+    # The side channel is sealed (authenticated and encrypted); both engines share one cluster secret,
+    # passed through the environment so it never shows in a command line or log.
+    env = {"KVTRANSPORT_SECRET": secrets.token_hex(16)}
+    prefill = harness.vllm_server(
+        f"prefill-{tag}", tiny_model, log_dir, cpu=0, env_extra=env,
+        kv_transfer_config=connector_config("kv_producer", mode, backend, pre_port))
+    decode = harness.vllm_server(
+        f"decode-{tag}", tiny_model, log_dir, cpu=1, env_extra=env,
+        kv_transfer_config=connector_config("kv_consumer", mode, backend, dec_port))
     proxy = harness.proxy_process(f"proxy-{tag}", log_dir, prefill.url, decode.url,
                                   prefill_timeout_s=60, decode_timeout_s=120)
     procs = [prefill, decode, proxy]
@@ -184,20 +178,12 @@ def running_pair(tag: str, model: Path, log_dir: Path, kv_config: Callable[[str,
     try:
         took = harness.start_all(procs)
         print(f"\n[e2e] {tag}: healthy after " + ", ".join(f"{k} {v:.1f}s" for k, v in took.items()))
-        yield (prefill, decode, proxy), took
+        p = Pair(backend, mode, prefill, decode, proxy, took)
+        yield p
     finally:
         for s in procs:
             s.stop()
             _LIVE.remove(s)
-
-
-@pytest.fixture(scope="module", params=PAIR_PARAMS)
-def pair(request, tiny_model, log_dir, baseline):
-    backend, mode = request.param
-    skip_unless_usable(backend)
-    with running_pair(f"{backend}-{mode}", tiny_model, log_dir,
-                      lambda role, port: connector_config(role, mode, backend, port)) as ((pre, dec, proxy), took):
-        yield Pair(backend, mode, pre, dec, proxy, took)
 
 
 # --------------------------------------------------------------------------- reporting

@@ -31,7 +31,7 @@ import pytest
 from . import conftest, harness, prompts
 from .harness import BLOCK_SIZE
 from .test_disagg import _prompt_tokens, wait_idle
-from .tiny_model import HEAD_DIM, INIT_STD, MAX_POSITIONS, _build_tokenizer, save_random_model
+from .tiny_model import HEAD_DIM, INIT_STD, MAX_POSITIONS, SEED, _build_tokenizer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
@@ -56,6 +56,7 @@ def _seed(p: int, d: int, mode: str) -> int:
 
 def _build_model4(out: Path) -> Path:
     """The e2e tiny Llama (same tokenizer, same recipe) with 4 KV heads of head_dim 64."""
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
@@ -68,7 +69,13 @@ def _build_model4(out: Path) -> Path:
                          num_hidden_layers=2, num_attention_heads=KV_HEADS, num_key_value_heads=KV_HEADS,
                          head_dim=HEAD_DIM, max_position_embeddings=MAX_POSITIONS, initializer_range=INIT_STD,
                          bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype="float32")
-    save_random_model(LlamaForCausalLM, config, out)
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, prm in model.named_parameters():
+            if "norm" not in name:
+                prm.normal_(0.0, INIT_STD)
+    model.save_pretrained(str(out), safe_serialization=True)
     return out
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import time
 from pathlib import Path
 
@@ -40,7 +41,7 @@ import pytest
 from kvtransport.testing.required import skip_unless_usable
 
 from . import harness, prompts
-from .conftest import _LIVE, connector_config, running_pair
+from .conftest import _LIVE, connector_config
 from .tiny_model_kinds import MLA_BLOCK_SIZE, build_tiny_mla, build_tiny_sliding
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
@@ -140,9 +141,26 @@ def kind_pair(request, tmp_path_factory, log_dir):
     backend = "loopback"
     skip_unless_usable(backend)
     model, vocab, ref = _reference(kind, tmp_path_factory, log_dir)
-    with running_pair(f"{kind}-{mode}", model, log_dir,
-                      lambda role, port: connector_config(role, mode, backend, port)) as (servers, _):
-        yield (f"{kind}-{mode}", vocab, ref, *servers)
+    tag = f"{kind}-{mode}"
+    env = {"KVTRANSPORT_SECRET": secrets.token_hex(16)}
+    pre_port = harness.free_side_channel_base(4)
+    dec_port = pre_port + 2  # one free range: neither engine's port can be the other's
+    prefill = harness.vllm_server(f"prefill-{tag}", model, log_dir, cpu=0, env_extra=env,
+                                  kv_transfer_config=connector_config("kv_producer", mode, backend, pre_port))
+    decode = harness.vllm_server(f"decode-{tag}", model, log_dir, cpu=1, env_extra=env,
+                                 kv_transfer_config=connector_config("kv_consumer", mode, backend, dec_port))
+    proxy = harness.proxy_process(f"proxy-{tag}", log_dir, prefill.url, decode.url,
+                                  prefill_timeout_s=60, decode_timeout_s=120)
+    procs = [prefill, decode, proxy]
+    _LIVE.extend(procs)
+    try:
+        took = harness.start_all(procs)
+        print(f"\n[e2e] {tag}: healthy after " + ", ".join(f"{k} {v:.1f}s" for k, v in took.items()))
+        yield tag, vocab, ref, prefill, decode, proxy
+    finally:
+        for s in procs:
+            s.stop()
+            _LIVE.remove(s)
 
 
 def _tokens(server, **labels) -> float:

@@ -20,14 +20,15 @@ Run: ``KVT_E2E_BACKENDS=loopback python -m pytest tests/e2e/test_staging.py -q``
 from __future__ import annotations
 
 import json
+import secrets
 import time
 
 import pytest
 
 from kvtransport.testing.required import skip_unless_usable
 
-from . import prompts
-from .conftest import BASELINE_SEEDS, connector_config, running_pair
+from . import harness, prompts
+from .conftest import _LIVE, BASELINE_SEEDS, connector_config
 from .harness import BLOCK_SIZE
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -55,15 +56,32 @@ def _logging_config(path) -> str:
 def staged_pair(tiny_model, log_dir, baseline, tmp_path_factory):
     backend, mode = "loopback", "write"
     skip_unless_usable(backend)
-    env = {"VLLM_LOGGING_CONFIG_PATH": _logging_config(tmp_path_factory.mktemp("logcfg") / "logging.json")}
+    tag = "staged-loopback-write"
+    pre_port, dec_port = harness.free_port(), harness.free_port()
+    env = {"KVTRANSPORT_SECRET": secrets.token_hex(16),
+           "VLLM_LOGGING_CONFIG_PATH": _logging_config(tmp_path_factory.mktemp("logcfg") / "logging.json")}
 
     def cfg(role: str, port: int) -> dict:
         c = connector_config(role, mode, backend, port)
         c["kv_connector_extra_config"]["kv_buffer_device"] = "cpu"
         return c
 
-    with running_pair("staged-loopback-write", tiny_model, log_dir, cfg, env) as (servers, _):
-        yield servers
+    prefill = harness.vllm_server(f"prefill-{tag}", tiny_model, log_dir, cpu=0, env_extra=env,
+                                  kv_transfer_config=cfg("kv_producer", pre_port))
+    decode = harness.vllm_server(f"decode-{tag}", tiny_model, log_dir, cpu=1, env_extra=env,
+                                 kv_transfer_config=cfg("kv_consumer", dec_port))
+    proxy = harness.proxy_process(f"proxy-{tag}", log_dir, prefill.url, decode.url,
+                                  prefill_timeout_s=60, decode_timeout_s=120)
+    procs = [prefill, decode, proxy]
+    _LIVE.extend(procs)
+    try:
+        took = harness.start_all(procs)
+        print(f"\n[e2e] {tag}: healthy after " + ", ".join(f"{k} {v:.1f}s" for k, v in took.items()))
+        yield prefill, decode, proxy
+    finally:
+        for s in procs:
+            s.stop()
+            _LIVE.remove(s)
 
 
 def _tokens(server, **labels) -> float:

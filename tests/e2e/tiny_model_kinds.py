@@ -20,7 +20,7 @@ import json
 import shutil
 from pathlib import Path
 
-from .tiny_model import INIT_STD, build_tiny_model, save_random_model
+from .tiny_model import INIT_STD, SEED, build_tiny_model
 
 SLIDING_WINDOW = 64  # tokens: two KV blocks of 32, so prompts of 5..640 tokens cross it
 KV_LORA_RANK = 512  # DeepSeek-V2's own latent width
@@ -41,6 +41,7 @@ def build_tiny_mla(out_dir: str | Path, llama_dir: str | Path) -> Path:
     out = Path(out_dir)
     if (out / "config.json").exists():
         return out
+    import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     vocab = _copy_tokenizer(build_tiny_model(llama_dir), out)
@@ -53,7 +54,13 @@ def build_tiny_mla(out_dir: str | Path, llama_dir: str | Path) -> Path:
         initializer_range=INIT_STD, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
         torch_dtype="float32", rope_scaling=None,
     )
-    save_random_model(DeepseekV2ForCausalLM, cfg, out)
+    torch.manual_seed(SEED)
+    model = DeepseekV2ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, INIT_STD)
+    model.save_pretrained(str(out), safe_serialization=True)
     return out
 
 
