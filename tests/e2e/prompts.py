@@ -8,7 +8,6 @@ local prefix cache never hides a remote load.
 
 from __future__ import annotations
 
-import asyncio
 import random
 import zlib
 
@@ -102,18 +101,3 @@ def complete(c: openai.OpenAI, prompt: list[int], max_tokens: int = MAX_TOKENS) 
 
 async def acomplete(c: openai.AsyncOpenAI, prompt: list[int], max_tokens: int = MAX_TOKENS):
     return await c.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, **GREEDY)
-
-
-def complete_concurrently(base_url: str, ps: list[list[int]], timeout_s: float = 300.0) -> list:
-    """Send every prompt at once (one async client) and return, in prompt order, each
-    response or the exception its request raised (so one failure does not hide the rest)."""
-
-    async def run() -> list:
-        c = async_client(base_url)
-        try:
-            return await asyncio.gather(*(acomplete(c, p) for p in ps), return_exceptions=True)
-        finally:
-            await c.close()
-
-    return asyncio.run(asyncio.wait_for(run(), timeout=timeout_s))
-

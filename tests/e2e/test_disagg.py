@@ -181,7 +181,15 @@ def test_32_concurrent_requests_match_and_free_everything(pair, baseline, vocab_
     assert len(ps) == 32
     ext0, _ = _prompt_tokens(pair.decode)
 
-    results = prompts.complete_concurrently(pair.proxy.url, ps)
+    async def run():
+        c = prompts.async_client(pair.proxy.url)
+        try:
+            return await asyncio.gather(*(prompts.acomplete(c, p) for p in ps),
+                                        return_exceptions=True)
+        finally:
+            await c.close()
+
+    results = asyncio.run(asyncio.wait_for(run(), timeout=300))
     errors = [(len(p), repr(r)) for p, r in zip(ps, results) if isinstance(r, BaseException)]
     assert not errors, f"requests failed: {errors}"
     wrong = [len(p) for p, r in zip(ps, results) if prompts.completion_ids(r) != baseline[tuple(p)]]

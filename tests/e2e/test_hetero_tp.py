@@ -20,6 +20,7 @@ Run: ``python -m pytest tests/e2e/test_hetero_tp.py -q`` (2->1 WRITE and 1->2 RE
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -173,7 +174,14 @@ def test_hetero_tp_greedy_matches_single_engine_kv_remote_usage_back_to_zero(p, 
         ps = prompts.concurrent_prompts(vocab4, seed)
         ext0, _ = _prompt_tokens(decode)
 
-        results = prompts.complete_concurrently(proxy.url, ps)
+        async def run():
+            c = prompts.async_client(proxy.url)
+            try:
+                return await asyncio.gather(*(prompts.acomplete(c, q) for q in ps), return_exceptions=True)
+            finally:
+                await c.close()
+
+        results = asyncio.run(asyncio.wait_for(run(), timeout=300))
         errors = [(len(q), repr(r)) for q, r in zip(ps, results) if isinstance(r, BaseException)]
         assert not errors, f"{tag}: requests failed: {errors}"
         wrong = [len(q) for q, r in zip(ps, results) if prompts.completion_ids(r) != baseline4[tuple(q)]]

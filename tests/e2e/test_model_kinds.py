@@ -29,6 +29,7 @@ Run: ``python -m pytest tests/e2e/test_model_kinds.py -q`` (mla-read and sliding
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -63,6 +64,12 @@ def _prompt_sets(vocab: int) -> tuple[list[list[int]], list[list[int]]]:
     one_by_one = prompts.correctness_prompts(vocab, SEED)
     together = prompts.concurrent_prompts(vocab, SEED)[:8]
     return one_by_one, together
+
+
+async def _complete_all(url: str, ps: list[list[int]]) -> list[list[int]]:
+    c = prompts.async_client(url)
+    resps = await asyncio.gather(*(prompts.acomplete(c, p) for p in ps))
+    return [prompts.completion_ids(r) for r in resps]
 
 
 _REFERENCE: dict[str, tuple] = {}
@@ -186,10 +193,7 @@ def test_tokens_match_single_engine_and_kv_is_remote(kind_pair):
     assert not not_remote, f"{tag}: decode engine recomputed instead of loading remote KV: {not_remote}"
     for row in rows:
         assert row["local"] + row["remote"] == row["len"], row
-    results = prompts.complete_concurrently(proxy.url, together)
-    errors = [(len(p), repr(r)) for p, r in zip(together, results) if isinstance(r, BaseException)]
-    assert not errors, f"{tag}: requests failed: {errors}"
-    got = [prompts.completion_ids(r) for r in results]
+    got = asyncio.run(_complete_all(proxy.url, together))
     bad = [(len(p), g, ref[tuple(p)]) for p, g in zip(together, got) if g != ref[tuple(p)]]
     assert not bad, f"{tag}: concurrent requests differ from the reference: {bad}"
 
