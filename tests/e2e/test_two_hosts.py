@@ -201,7 +201,7 @@ def test_two_hosts_tokens_doctor_and_link_cut(hosts, tiny_model, log_dir, baseli
                                   "(slow the link more)")
         assert loc1 - loc0 == len(long_prompt), (loc0, loc1)
         # the decode engine's own account: its READ was in flight and failed (not a refusal up front)
-        assert "failed: read failed" in decode.log_path.read_text(errors="replace"), \
+        assert "failed: read from producer rank 0 failed" in decode.log_path.read_text(errors="replace"), \
             "the decode engine logged no failed READ: the load did not fail in flight"
 
         # 4. link restored: both engines serve again, KV loaded remotely again, nothing held
