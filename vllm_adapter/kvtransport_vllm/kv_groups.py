@@ -105,6 +105,12 @@ def _drop_null_pairs(a: list[int], b: list[int]) -> tuple[list[int], list[int]]:
     return [a[i] for i in keep], [b[i] for i in keep]
 
 
+def _window_tail(ids: Sequence[int], g: int, groups: Sequence[GroupInfo]) -> list[int]:
+    """Group ``g``'s blocks that can be moved: a sliding-window group's in-window tail, else all."""
+    w = groups[g].window_blocks if g < len(groups) else 0
+    return list(ids[-w:]) if w else list(ids)
+
+
 def pair_by_position(local: Sequence[Sequence[int]], remote: Sequence[Sequence[int]], first: int,
                      groups: Sequence[GroupInfo]) -> tuple[list[list[int]], list[list[int]]]:
     """READ: for every group, the (local, remote) blocks at the same positions from block
@@ -114,11 +120,7 @@ def pair_by_position(local: Sequence[Sequence[int]], remote: Sequence[Sequence[i
     for g, (lo, re) in enumerate(zip(local, remote)):
         lo, re = list(lo[first:]), list(re[first:])
         n = min(len(lo), len(re))
-        lo, re = lo[:n], re[:n]
-        w = groups[g].window_blocks if g < len(groups) else 0
-        if w:
-            lo, re = lo[-w:] if n > w else lo, re[-w:] if n > w else re
-        lo, re = _drop_null_pairs(lo, re)
+        lo, re = _drop_null_pairs(_window_tail(lo[:n], g, groups), _window_tail(re[:n], g, groups))
         out_l.append(lo)
         out_r.append(re)
     return out_l, out_r
@@ -126,11 +128,7 @@ def pair_by_position(local: Sequence[Sequence[int]], remote: Sequence[Sequence[i
 
 def clip_windows(per_group: Sequence[Sequence[int]], groups: Sequence[GroupInfo]) -> list[list[int]]:
     """WRITE, consumer side: the blocks to be written, a sliding-window group's tail only."""
-    out = []
-    for g, ids in enumerate(per_group):
-        w = groups[g].window_blocks if g < len(groups) else 0
-        out.append(list(ids[-w:]) if w and len(ids) > w else list(ids))
-    return out
+    return [_window_tail(ids, g, groups) for g, ids in enumerate(per_group)]
 
 
 def align_tails(src: Sequence[Sequence[int]], dst: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[list[int]]] | str:
