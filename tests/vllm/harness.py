@@ -256,14 +256,7 @@ class Engine:
         mro = ModelRunnerOutput(req_ids=rows, req_id_to_index={r: i for i, r in enumerate(rows)},
                                 sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
                                 pooler_output=[], kv_connector_output=kvo)
-        out = self.scheduler.update_from_output(so, mro)
-        params = {}
-        for eco in out.values():
-            for o in eco.outputs:
-                self.outputs.append(o)
-                if o.kv_transfer_params is not None:
-                    params[o.request_id] = o.kv_transfer_params
-        return params
+        return record_outputs(self.scheduler.update_from_output(so, mro), self.outputs)
 
     def close(self) -> None:
         self.worker.shutdown()
@@ -304,6 +297,18 @@ class Engine:
                     bad.append(b_i)
                     break
         return bad
+
+
+def record_outputs(engine_outputs: dict[Any, Any], into: list[Any]) -> dict[str, dict]:
+    """Append each request output of ``Scheduler.update_from_output`` to ``into``; return
+    the ``kv_transfer_params`` they carry, by request id (what a proxy would forward)."""
+    params = {}
+    for eco in engine_outputs.values():
+        for o in eco.outputs:
+            into.append(o)
+            if o.kv_transfer_params is not None:
+                params[o.request_id] = o.kv_transfer_params
+    return params
 
 
 def run_until(engines: Iterable[Engine], cond: Callable[[], bool], timeout: float = 10.0,

@@ -213,14 +213,7 @@ class TPEngine:
                                           prompt_logprobs_dict={}, pooler_output=[], kv_connector_output=kvo))
         agg = self.aggregator.aggregate(outs)
         self.last_outputs = [agg]  # vLLM's aggregated output of this step (what the scheduler sees)
-        out = self.scheduler.update_from_output(so, agg)
-        params = {}
-        for eco in out.values():
-            for o in eco.outputs:
-                self.outputs.append(o)
-                if o.kv_transfer_params is not None:
-                    params[o.request_id] = o.kv_transfer_params
-        return params
+        return harness.record_outputs(self.scheduler.update_from_output(so, agg), self.outputs)
 
     def counter(self, key: str) -> float:
         """A counter summed over every step and rank."""
