@@ -14,6 +14,8 @@ from typing import Any
 
 from kvtransport.auth import AUTH_OFF, AuthConfigError, Authenticator, load_secret
 
+from .spin_yield import SPIN_YIELD_MODES
+
 __all__ = ["ConnectorConfig", "ConnectorConfigError", "EXTRA_CONFIG_KEYS", "AUTH_CHANNEL", "routable_host",
            "data_parallel_rank", "rank_port"]
 
@@ -45,6 +47,9 @@ EXTRA_CONFIG_KEYS: dict[str, str] = {
     "gil_switch_interval_s": "Python thread switch interval set in each worker process running the connector "
     "(default 0.0005; 0 leaves Python's 5 ms): the side-channel and copy threads wait at most this long for "
     "the GIL held by vLLM's busy worker loop",
+    "vllm_spin_yield": "sleep (default) or sched_yield: how vLLM's busy-wait loops yield in the processes running "
+    "the connector; sleep is time.sleep(0), which keeps the side-channel thread served on shared cores "
+    "(docs/VLLM.md, Busy-wait yield); sched_yield leaves vLLM's own choice",
     "kv_buffer_device": "auto (default: the transport moves the KV cache where it lives) or cpu (host staging: "
     "device blocks are copied through pinned host buffers, for transports without device memory support)",
 }
@@ -147,6 +152,8 @@ class ConnectorConfig:
     kv_buffer_device: str = "auto"
     #: sys.setswitchinterval() in the worker process; 0: leave Python's default
     gil_switch_interval_s: float = 0.0005
+    #: how vLLM's busy-wait loops yield in our processes (spin_yield.py): "sleep" or "sched_yield"
+    vllm_spin_yield: str = "sleep"
     #: True when side_channel_host was chosen by this module (default route or
     #: loopback-only host), False when given (extra config or VLLM_HOST_IP)
     side_channel_host_auto: bool = False
@@ -239,6 +246,10 @@ class ConnectorConfig:
             raise ConnectorConfigError(
                 f"KVTransportConnector: kv_buffer_device must be 'auto' or 'cpu', got {extra.get('kv_buffer_device')!r}"
             )
+        spin_yield = extra.get("vllm_spin_yield", "sleep")
+        if spin_yield not in SPIN_YIELD_MODES:
+            raise ConnectorConfigError(
+                f"KVTransportConnector: vllm_spin_yield must be 'sleep' or 'sched_yield', got {spin_yield!r}")
         given = extra.get("side_channel_host")
         if given is not None and not isinstance(given, str):
             raise ConnectorConfigError(
@@ -262,6 +273,7 @@ class ConnectorConfig:
             max_message_bytes=_num("max_message_bytes", 16 * 1024 * 1024, int),
             kv_buffer_device=buffer_device,
             gil_switch_interval_s=_switch_interval(extra.get("gil_switch_interval_s", 0.0005)),
+            vllm_spin_yield=spin_yield,
         )
 
     @classmethod

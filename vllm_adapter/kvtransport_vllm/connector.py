@@ -24,6 +24,7 @@ from .config import ConnectorConfig, ConnectorConfigError, data_parallel_rank
 from .kv_groups import check_group_kinds, group_infos
 from .messages import KVTransportMetadata
 from .scheduler import KVTransportScheduler
+from .spin_yield import apply_spin_yield
 from .stats import KVTransportStats
 
 if TYPE_CHECKING:
@@ -105,6 +106,8 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
         block_size = vllm_config.cache_config.block_size
         tp_rank, tp_size = _tp_info()
         dp_rank = data_parallel_rank(vllm_config)  # side-channel ports per (DP rank, TP rank)
+        # This process's vLLM wait loops must leave our side-channel thread the GIL (spin_yield.py).
+        apply_spin_yield(self.cfg.vllm_spin_yield)
         self._scheduler: KVTransportScheduler | None = None
         self._worker: Any = None
         if role == KVConnectorRole.SCHEDULER:
