@@ -26,15 +26,16 @@ LONG_LEASE = 120.0  # longer than any test here may run: a hold freed is freed b
 
 
 def _engines(mode: str, p: int, d: int, heads: int, *, timeout_s: float = 10.0, lease_s: float = LONG_LEASE,
-             p_rank_extra=None, c_rank_extra=None, policy: str = "recompute", c_block_size: int = 16):
+             p_rank_extra=None, c_rank_extra=None, policy: str = "recompute", c_block_size: int = 16,
+             mla: bool = False):
     base = free_port_base(16)
     common = {"backend": "loopback", "mode": mode, "transfer_timeout_s": timeout_s, "lease_s": lease_s,
               "side_channel_host": "127.0.0.1"}
     P = TPEngine("kv_producer", {**common, "side_channel_port": base}, tp=p, total_kv_heads=heads,
-                 engine_id="P", rank_extra=p_rank_extra)
+                 engine_id="P", rank_extra=p_rank_extra, mla=mla)
     try:
         C = TPEngine("kv_consumer", {**common, "side_channel_port": base + 8}, tp=d, total_kv_heads=heads,
-                     engine_id="C", rank_extra=c_rank_extra, policy=policy, block_size=c_block_size)
+                     engine_id="C", rank_extra=c_rank_extra, policy=policy, block_size=c_block_size, mla=mla)
     except BaseException:
         P.close()
         raise

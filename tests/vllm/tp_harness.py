@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -44,6 +44,9 @@ from kvtransport_vllm.plugin import register
 
 NUM_LAYERS = 2
 HEAD_SIZE = 16
+#: MLA: one latent of kv_lora_rank + qk_rope_head_dim values per token and layer
+MLA_LORA_RANK, MLA_ROPE_DIM = 32, 16
+MLA_WIDTH = MLA_LORA_RANK + MLA_ROPE_DIM
 _ids = itertools.count(1)
 _hash_ready = False
 
@@ -60,6 +63,23 @@ def model_dir(total_kv_heads: int) -> str:
                     num_attention_heads=heads, num_key_value_heads=total_kv_heads, head_dim=HEAD_SIZE,
                     vocab_size=512, max_position_embeddings=4096, eos_token_id=EOS,
                     torch_dtype="float32").save_pretrained(d)
+    return d
+
+
+def mla_model_dir() -> str:
+    """A local DeepSeek-V2 config (MLA: vLLM's ``use_mla``; no weights: never loaded)."""
+    from transformers import DeepseekV2Config
+
+    d = os.path.join(tempfile.gettempdir(), f"kvt-tiny-mla-{os.getuid()}")
+    if not os.path.exists(os.path.join(d, "config.json")):
+        os.makedirs(d, exist_ok=True)
+        DeepseekV2Config(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                         num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=4,
+                         n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+                         first_k_dense_replace=NUM_LAYERS, kv_lora_rank=MLA_LORA_RANK, q_lora_rank=None,
+                         qk_rope_head_dim=MLA_ROPE_DIM, qk_nope_head_dim=16, v_head_dim=16,
+                         max_position_embeddings=4096, eos_token_id=EOS, torch_dtype="float32",
+                         rope_scaling=None).save_pretrained(d)
     return d
 
 
@@ -93,23 +113,29 @@ class TPEngine:
     def __init__(self, kv_role: str, extra: dict[str, Any], *, tp: int, total_kv_heads: int, block_size: int = 16,
                  num_blocks: int = 48, engine_id: str | None = None, policy: str = "recompute",
                  rank_extra: dict[int, dict[str, Any]] | None = None, served_model_name: str | None = None,
-                 dtype: str | None = None) -> None:
+                 dtype: str | None = None, mla: bool = False) -> None:
+        """``mla``: a DeepSeek-V2 model with vLLM's MLA KV cache spec and vLLM's MLA cache
+        shape ``[num_blocks, block_size, latent]``: one latent per token, the same on
+        every rank (``total_kv_heads`` is then 1)."""
         global _hash_ready
         register()
         if not _hash_ready:
             init_none_hash(sha256)
             _hash_ready = True
-        self.tp, self.total, self.block_size, self.num_blocks = tp, total_kv_heads, block_size, num_blocks
+        self.mla = mla
+        self.tp, self.total, self.block_size, self.num_blocks = tp, (1 if mla else total_kv_heads), block_size, num_blocks
+        #: values per token and head in one block (K and V side by side; MLA: the latent)
+        self.width = MLA_WIDTH if mla else 2 * HEAD_SIZE
         self.engine_id = engine_id or f"{kv_role}-tp{tp}-{next(_ids)}"
         self.served_model_name, self.dtype = served_model_name, dtype or "float32"
         self.vllm_config = self._config(kv_role, extra, policy)
-        kv_heads = len(heads_of_rank(total_kv_heads, tp, 0))
+        kv_heads = len(heads_of_rank(self.total, tp, 0))
+        spec = (MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=MLA_WIDTH, dtype=torch.float32)
+                if mla else FullAttentionSpec(block_size=block_size, num_kv_heads=kv_heads, head_size=HEAD_SIZE,
+                                              dtype=torch.float32))
         self.kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(
-                [f"layers.{i}" for i in range(NUM_LAYERS)],
-                FullAttentionSpec(block_size=block_size, num_kv_heads=kv_heads, head_size=HEAD_SIZE,
-                                  dtype=torch.float32))])
+            kv_cache_groups=[KVCacheGroupSpec([f"layers.{i}" for i in range(NUM_LAYERS)], spec)])
         self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
                                    log_stats=True, structured_output_manager=StructuredOutputManager(self.vllm_config),
                                    block_size=block_size)
@@ -120,11 +146,12 @@ class TPEngine:
                 cfg = self._config(kv_role, {**extra, **rank_extra[r]}, policy)
             with _as_rank(r, tp):
                 w = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, self.kv_cache_config)
-            caches = {f"layers.{i}": torch.zeros(num_blocks, kv_heads, block_size, 2 * HEAD_SIZE)
-                      for i in range(NUM_LAYERS)}
+            shape = (num_blocks, block_size, MLA_WIDTH) if mla else (num_blocks, kv_heads, block_size, 2 * HEAD_SIZE)
+            caches = {f"layers.{i}": torch.zeros(*shape) for i in range(NUM_LAYERS)}
             w.register_kv_caches(caches)
             self.workers.append(w)
-            self.caches.append(caches)
+            # written and checked as [block, head, token, value] (MLA: a one-head view)
+            self.caches.append({k: t.unsqueeze(1) if mla else t for k, t in caches.items()})
         self.aggregator = KVOutputAggregator(tp)
         self.free0 = self.free_blocks()
         self.outputs: list[Any] = []
@@ -137,7 +164,8 @@ class TPEngine:
         """harness.make_vllm_config's real VllmConfig, for a model of ``total`` KV heads."""
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 
-        mc = ModelConfig(model=model_dir(self.total), skip_tokenizer_init=True, dtype=self.dtype, seed=0,
+        mc = ModelConfig(model=mla_model_dir() if self.mla else model_dir(self.total), skip_tokenizer_init=True,
+                         dtype=self.dtype, seed=0,
                          max_model_len=2048, served_model_name=self.served_model_name)
         sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=2048,
                              enable_chunked_prefill=True, is_encoder_decoder=False)
@@ -234,7 +262,7 @@ class TPEngine:
             for r, caches in enumerate(self.caches):
                 for h_i, head in enumerate(heads_of_rank(self.total, self.tp, r)):
                     for li, t in enumerate(caches.values()):
-                        want = kv_value(toks, pos, li, head)[:, None].expand(hi - lo, 2 * HEAD_SIZE)
+                        want = kv_value(toks, pos, li, head)[:, None].expand(hi - lo, self.width)
                         if not torch.equal(t[b, h_i, : hi - lo, :], want):
                             bad.append((r, b_i, head))
                             break
