@@ -11,6 +11,8 @@ It starts every setup at once (prefill engines confined to CPU 0, decode engines
 * ``kvt-read``   KVTransportConnector, loopback backend, READ (decode pulls);
 * ``kvt-write``  KVTransportConnector, loopback backend, WRITE (prefill pushes);
 * ``kvt-ucx``    KVTransportConnector, ucx backend, READ (only when asked for);
+* ``kvt-read-sleep``, ``kvt-write-sleep``  the same with ``vllm_spin_yield: sleep`` (vLLM's
+  wait loops yield with ``time.sleep(0)``; only when asked for);
 * ``example``    vLLM's ExampleConnector (KV through files in a temporary directory);
 * ``nixl``       vLLM's NixlConnector with ``kv_buffer_device: cpu`` (when ``nixl`` is installed);
 
@@ -100,11 +102,11 @@ def make_workloads(vocab: int, setup_index: int, names: list[str]) -> list[Workl
 
 
 # ----------------------------------------------------------------------------- setups
-def kvt_config(role: str, mode: str, backend: str, port: int) -> dict[str, Any]:
-    return {"kv_connector": "KVTransportConnector", "kv_role": role,
-            "kv_connector_extra_config": {"backend": backend, "mode": mode,
-                                          "side_channel_host": "127.0.0.1",
-                                          "side_channel_port": port}}
+def kvt_config(role: str, mode: str, backend: str, port: int, spin_yield: str | None = None) -> dict[str, Any]:
+    extra = {"backend": backend, "mode": mode, "side_channel_host": "127.0.0.1", "side_channel_port": port}
+    if spin_yield:
+        extra["vllm_spin_yield"] = spin_yield
+    return {"kv_connector": "KVTransportConnector", "kv_role": role, "kv_connector_extra_config": extra}
 
 
 @dataclass
@@ -136,14 +138,16 @@ def make_setup(name: str, model: Path, log_dir: Path) -> Setup:
     if name == "single":
         return Setup(name, None, harness.vllm_server("single", model, log_dir, cpu=0), False)
     if name.startswith("kvt-"):
+        # "-sleep": vLLM's wait loops yield with time.sleep(0) (vllm_spin_yield: sleep), to compare
+        base, spin = (name[: -len("-sleep")], "sleep") if name.endswith("-sleep") else (name, None)
         mode, backend = {"kvt-read": ("read", "loopback"), "kvt-write": ("write", "loopback"),
-                         "kvt-ucx": ("read", "ucx")}[name]
+                         "kvt-ucx": ("read", "ucx")}[base]
         pre = harness.vllm_server(f"{name}-prefill", model, log_dir, cpu=0, env_extra=env,
                                   kv_transfer_config=kvt_config("kv_producer", mode, backend,
-                                                                harness.free_port()))
+                                                                harness.free_port(), spin))
         dec = harness.vllm_server(f"{name}-decode", model, log_dir, cpu=1, env_extra=env,
                                   kv_transfer_config=kvt_config("kv_consumer", mode, backend,
-                                                                harness.free_port()))
+                                                                harness.free_port(), spin))
         return Setup(name, pre, dec, True)
     if name == "example":
         store = Path(tempfile.mkdtemp(prefix="kvt-bench-example-"))

@@ -1,10 +1,10 @@
 """vLLM's busy-wait yield in the processes running the connector (spin_yield.py).
 
-What a user relies on: by default the engine core and the workers that build the
-connector make vLLM's shared-memory wait loop yield with ``time.sleep(0)`` (the loop
-that otherwise starves our side-channel thread on shared cores, docs/VLLM.md "Busy-wait
-yield"); ``vllm_spin_yield: sched_yield`` leaves vLLM's loop as vLLM ships it; a wrong
-value is a start-up error naming the setting. Checked on the installed vLLM, through
+What a user relies on: by default vLLM's shared-memory wait loop stays as vLLM ships it
+(``os.sched_yield``); with ``vllm_spin_yield: sleep`` the engine core and the workers that
+build the connector make it yield with ``time.sleep(0)`` (the loop otherwise starves our
+side-channel thread when more engine processes spin than there are cores, docs/VLLM.md
+"Busy-wait yield"); a wrong value is a start-up error naming the setting. Checked on the installed vLLM, through
 real engines (Scheduler + both connector roles).
 """
 
@@ -40,9 +40,9 @@ def _loop_yield():
     return shm_broadcast.SpinCondition.wait.__globals__["sched_yield"]
 
 
-def test_default_engine_makes_vllm_wait_loop_sleep_yield(vllm_as_shipped):
+def test_sleep_setting_makes_vllm_wait_loop_sleep_yield(vllm_as_shipped):
     assert _loop_yield() is vllm_as_shipped
-    engine = Engine("kv_consumer", {"side_channel_port": free_port_base()})
+    engine = Engine("kv_consumer", {"side_channel_port": free_port_base(), "vllm_spin_yield": "sleep"})
     try:
         assert _loop_yield() is sleep_yield
         assert vllm_utils.sched_yield is sleep_yield
@@ -50,8 +50,8 @@ def test_default_engine_makes_vllm_wait_loop_sleep_yield(vllm_as_shipped):
         engine.close()
 
 
-def test_sched_yield_setting_leaves_vllm_as_shipped(vllm_as_shipped):
-    engine = Engine("kv_consumer", {"side_channel_port": free_port_base(), "vllm_spin_yield": "sched_yield"})
+def test_default_engine_leaves_vllm_as_shipped(vllm_as_shipped):
+    engine = Engine("kv_consumer", {"side_channel_port": free_port_base()})
     try:
         assert _loop_yield() is vllm_as_shipped
         assert vllm_utils.sched_yield is vllm_as_shipped
@@ -89,5 +89,5 @@ def test_wrong_value_is_a_start_up_error_naming_the_setting(value):
         ConnectorConfig.from_extra("kv_consumer", "e", {"vllm_spin_yield": value})
 
 
-def test_default_is_sleep():
-    assert ConnectorConfig.from_extra("kv_consumer", "e", {}).vllm_spin_yield == "sleep"
+def test_default_is_vllms_own():
+    assert ConnectorConfig.from_extra("kv_consumer", "e", {}).vllm_spin_yield == "sched_yield"

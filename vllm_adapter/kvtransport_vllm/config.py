@@ -47,9 +47,9 @@ EXTRA_CONFIG_KEYS: dict[str, str] = {
     "gil_switch_interval_s": "Python thread switch interval set in each worker process running the connector "
     "(default 0.0005; 0 leaves Python's 5 ms): the side-channel and copy threads wait at most this long for "
     "the GIL held by vLLM's busy worker loop",
-    "vllm_spin_yield": "sleep (default) or sched_yield: how vLLM's busy-wait loops yield in the processes running "
-    "the connector; sleep is time.sleep(0), which keeps the side-channel thread served on shared cores "
-    "(docs/VLLM.md, Busy-wait yield); sched_yield leaves vLLM's own choice",
+    "vllm_spin_yield": "sched_yield (default: vLLM's own) or sleep: how vLLM's busy-wait loops yield in the "
+    "processes running the connector; sleep (time.sleep(0)) keeps the side-channel thread served when more "
+    "engine processes spin than there are cores (docs/VLLM.md, Busy-wait yield)",
     "kv_buffer_device": "auto (default: the transport moves the KV cache where it lives) or cpu (host staging: "
     "device blocks are copied through pinned host buffers, for transports without device memory support)",
 }
@@ -153,7 +153,7 @@ class ConnectorConfig:
     #: sys.setswitchinterval() in the worker process; 0: leave Python's default
     gil_switch_interval_s: float = 0.0005
     #: how vLLM's busy-wait loops yield in our processes (spin_yield.py): "sleep" or "sched_yield"
-    vllm_spin_yield: str = "sleep"
+    vllm_spin_yield: str = "sched_yield"
     #: True when side_channel_host was chosen by this module (default route or
     #: loopback-only host), False when given (extra config or VLLM_HOST_IP)
     side_channel_host_auto: bool = False
@@ -246,7 +246,7 @@ class ConnectorConfig:
             raise ConnectorConfigError(
                 f"KVTransportConnector: kv_buffer_device must be 'auto' or 'cpu', got {extra.get('kv_buffer_device')!r}"
             )
-        spin_yield = extra.get("vllm_spin_yield", "sleep")
+        spin_yield = extra.get("vllm_spin_yield", "sched_yield")
         if spin_yield not in SPIN_YIELD_MODES:
             raise ConnectorConfigError(
                 f"KVTransportConnector: vllm_spin_yield must be 'sleep' or 'sched_yield', got {spin_yield!r}")

@@ -106,7 +106,7 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
         block_size = vllm_config.cache_config.block_size
         tp_rank, tp_size = _tp_info()
         dp_rank = data_parallel_rank(vllm_config)  # side-channel ports per (DP rank, TP rank)
-        # This process's vLLM wait loops must leave our side-channel thread the GIL (spin_yield.py).
+        # How this process's vLLM wait loops yield (spin_yield.py; default: as vLLM ships them).
         apply_spin_yield(self.cfg.vllm_spin_yield)
         self._scheduler: KVTransportScheduler | None = None
         self._worker: Any = None

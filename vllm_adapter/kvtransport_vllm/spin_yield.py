@@ -18,9 +18,17 @@ deadline; the e2e hetero-TP test failed 4 runs out of 4). With ``time.sleep(0)``
 system call that releases the GIL without the scheduler penalty) the same pair served
 each request in 0.1-0.2 s (docs/VLLM.md, "Busy-wait yield").
 
-So by default (``vllm_spin_yield: sleep``) the connector switches vLLM's yield to
-vLLM's own other choice, ``time.sleep(0)``, in each process that builds it (engine core
-and workers). ``vllm_spin_yield: sched_yield`` leaves vLLM as it is.
+The price of ``time.sleep(0)``: a spinner no longer hands its core to a ready process
+of the same engine, so where an engine's processes share one core the hops between them
+wait for the spinner's time slice. Measured with ``bench/e2e_latency.py`` (each engine on
+one core, one run): sequential p50 92.8 ms with vLLM's ``sched_yield`` against 171.7 ms
+with ``time.sleep(0)``; concurrency 8: 213 against 302 ms.
+
+So the default (``vllm_spin_yield: sched_yield``) leaves vLLM's loops as shipped, and
+``vllm_spin_yield: sleep`` switches them, in each process that builds the connector (engine
+core and workers), to ``time.sleep(0)``, vLLM's own choice for older Pythons: for hosts
+where more engine processes spin than there are cores (e.g. a TP=2 engine and another
+engine on two cores), where a stalled side channel costs far more than the extra hop time.
 """
 
 from __future__ import annotations
