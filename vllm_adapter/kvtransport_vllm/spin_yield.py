@@ -47,6 +47,9 @@ SPIN_YIELD_MODES = ("sleep", "sched_yield")
 #: vLLM modules that call (and bind by name) ``sched_yield`` in their wait loops
 _MODULES = ("vllm.distributed.utils", "vllm.distributed.device_communicators.shm_broadcast")
 
+#: vLLM's own yield function per module, recorded before it is first replaced
+_ORIGINAL: dict[str, object] = {}
+
 
 def sleep_yield() -> None:
     """vLLM's yield before Python 3.11.1: release the GIL and return, with no scheduler penalty."""
@@ -60,6 +63,8 @@ def apply_spin_yield(mode: str) -> list[str]:
     these modules or names is left unchanged (nothing to do)."""
     if mode not in SPIN_YIELD_MODES:
         raise ValueError(f"vllm_spin_yield must be one of {SPIN_YIELD_MODES}, got {mode!r}")
+    if mode == "sched_yield" and not _ORIGINAL:
+        return []  # the default, and nothing was ever replaced: vLLM's loops are as shipped
     changed = []
     for name in _MODULES:
         try:
@@ -80,6 +85,3 @@ def apply_spin_yield(mode: str) -> list[str]:
                  "(vllm_spin_yield: sleep; docs/VLLM.md, Busy-wait yield)")
     return changed
 
-
-#: vLLM's own yield function per module, recorded before it is first replaced
-_ORIGINAL: dict[str, object] = {}
