@@ -40,21 +40,15 @@ def _loop_yield():
     return shm_broadcast.SpinCondition.wait.__globals__["sched_yield"]
 
 
-def test_sleep_setting_makes_vllm_wait_loop_sleep_yield(vllm_as_shipped):
+@pytest.mark.parametrize("extra, sleeps", [({"vllm_spin_yield": "sleep"}, True), ({}, False)],
+                         ids=["sleep-swaps-in-time.sleep(0)", "default-leaves-vllm-as-shipped"])
+def test_engine_makes_vllm_wait_loop_yield_as_set(vllm_as_shipped, extra, sleeps):
     assert _loop_yield() is vllm_as_shipped
-    engine = Engine("kv_consumer", {"side_channel_port": free_port_base(), "vllm_spin_yield": "sleep"})
+    engine = Engine("kv_consumer", {"side_channel_port": free_port_base(), **extra})
     try:
-        assert _loop_yield() is sleep_yield
-        assert vllm_utils.sched_yield is sleep_yield
-    finally:
-        engine.close()
-
-
-def test_default_engine_leaves_vllm_as_shipped(vllm_as_shipped):
-    engine = Engine("kv_consumer", {"side_channel_port": free_port_base()})
-    try:
-        assert _loop_yield() is vllm_as_shipped
-        assert vllm_utils.sched_yield is vllm_as_shipped
+        want = sleep_yield if sleeps else vllm_as_shipped
+        assert _loop_yield() is want
+        assert vllm_utils.sched_yield is want
     finally:
         engine.close()
 
