@@ -70,6 +70,8 @@ class Run:
         self.rounds: list[tuple[float, float]] = []
         self.reported: int | None = None
         self.deadlines: dict[int, float] = {}
+        #: decode rank -> the producer ranks its load reads from (or is written by)
+        self.pieces: dict[int, list[int]] = {}
         self.write_deadlines: dict[int, float] = {}
         self._t = time.monotonic()
         for rank, w in enumerate(C.workers):  # note each rank's deadline when it takes the load
@@ -83,6 +85,9 @@ class Run:
             for job in jobs:
                 if job.req_id == self.rid:
                     self.deadlines.setdefault(rank, now + consumer.ctx.cfg.transfer_timeout_s)
+                    r = consumer.recv.get(job.req_id)
+                    if r is not None:
+                        self.pieces[rank] = [pc.piece.producer_rank for pc in r.pieces]
         return add
 
     def ended(self) -> bool:

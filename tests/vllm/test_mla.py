@@ -29,22 +29,6 @@ from tp_harness import MLA_WIDTH, NUM_LAYERS
 TOPOLOGIES = [(1, 1), (2, 2), (1, 2), (2, 1), (2, 4), (4, 2)]  # (prefill TP, decode TP)
 
 
-def _watch_pieces(C, rid: str) -> dict[int, list[int]]:
-    """decode rank -> the prefill ranks its load of ``rid`` reads from (or is written by)."""
-    seen: dict[int, list[int]] = {}
-    for rank, w in enumerate(C.workers):
-        consumer = w._worker.consumer
-        real = consumer.add
-
-        def add(jobs, now, rank=rank, consumer=consumer, real=real):
-            real(jobs, now)
-            r = next((consumer.recv[j.req_id] for j in jobs if j.req_id == rid and j.req_id in consumer.recv), None)
-            if r is not None:
-                seen[rank] = [pc.piece.producer_rank for pc in r.pieces]
-        consumer.add = add
-    return seen
-
-
 @pytest.mark.parametrize("mode", ["read", "write"])
 @pytest.mark.parametrize("p, d", TOPOLOGIES, ids=[f"tp{p}to{d}" for p, d in TOPOLOGIES])
 def test_mla_latent_bytes_equal_each_decode_rank_one_producer_rank(mode, p, d):
@@ -55,8 +39,8 @@ def test_mla_latent_bytes_equal_each_decode_rank_one_producer_rank(mode, p, d):
         params = _prefill(P, "p1", prompt)
         assert params["tp_size"] == p
         C.add("c1", prompt, 3, params)
-        pieces = _watch_pieces(C, "c1")
-        bad = _run_load(P, C, "c1", prompt).bad
+        run = _run_load(P, C, "c1", prompt)
+        bad, pieces = run.bad, run.pieces
         assert bad == [], f"latent blocks differing from the prefill's (rank, block, head): {bad}"
         assert C.finish_reason("c1") == "length"
         assert C.first_start["c1"] >= len(prompt) - 1, "prefilled locally, not loaded"
