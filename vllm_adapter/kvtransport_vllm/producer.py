@@ -137,6 +137,9 @@ class Producer:
         for j in jobs:
             if j.key in self.ended:  # consumer released / cancelled before we learnt of it
                 self.done_sending.add(j.req_id)
+                # counted like a hold that ended so (router flow: a decode engine with nothing
+                # to load releases the key before the prefill has finished)
+                count_outcome(self.ctx.stats, "hold", HOLD_CAUSES.get(self.ended[j.key], Cause.OK))
                 continue
             hold = Hold(j.req_id, j.key, list(j.block_ids), expiry=now + self.ctx.cfg.lease_s,
                         group_sizes=list(j.group_sizes))
