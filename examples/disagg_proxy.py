@@ -22,6 +22,31 @@ The proxy is stateless: everything the decode engine needs travels in
 ``kv_transfer_params``, so the proxy does not care whether the connector runs
 in READ (decode pulls) or WRITE (prefill pushes) mode.
 
+**Router flow** (``--flow router``, opt-in; WRITE mode only).  Both hops leave
+at the same time, with one MoRIIO-style compound ``X-Request-Id`` naming both
+engines' side channels and a fresh 32-hex uuid::
+
+    <id>___prefill_addr_host:H,handshake:P,notify:P___decode_addr_host:H,handshake:D,notify:D_<uuid>
+
+The prefill hop is the same as above; the decode hop carries only
+``kv_transfer_params={"do_remote_prefill": true}``.  The decode engine finds the
+prefill engine's side channel and the transfer key in the id, sends it its block
+ids, and the prefill engine writes the KV into them as soon as its prefill is
+done, so the decode engine need not wait for the prefill's HTTP answer
+(docs/VLLM.md, Routers).  The decode response is passed through as soon as it
+comes; if the prefill hop fails, the decode engine learns it from the prefill
+engine ("aborted") or by its ``transfer_timeout_s``, and its
+``kv_load_failure_policy`` decides (recompute, or an error the proxy passes
+through).  READ mode cannot work this way (the decode engine needs the
+prefill's block ids, which exist only once the prefill has answered): when a
+prefill answer says ``kvtransport_mode: read`` the proxy refuses that request if
+it can still (502) and every later one, with a message saying so.  The
+side-channel addresses are given per engine, in the order of the URLs::
+
+    python examples/disagg_proxy.py --port 8000 --flow router \
+        --prefill http://127.0.0.1:8100 --prefill-side-channel 127.0.0.1:5600 \
+        --decode http://127.0.0.1:8200 --decode-side-channel 127.0.0.1:5700
+
 Usage::
 
     python examples/disagg_proxy.py --port 8000 \
@@ -40,6 +65,7 @@ import copy
 import itertools
 import json
 import logging
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,8 +78,24 @@ log = logging.getLogger("disagg_proxy")
 #: Sent to the prefill engine: "compute the prompt, keep its KV for a remote decoder".
 PREFILL_KV_PARAMS: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
 
+#: Sent to the decode engine in the router flow: "load the prompt KV from the prefill engine
+#: named in the request id" (WRITE mode: it will be pushed into this engine's blocks).
+ROUTER_DECODE_KV_PARAMS: dict[str, Any] = {"do_remote_prefill": True}
+
+FLOWS = ("two-hop", "router")
+
 #: Request fields that make no sense for the 1-token prefill hop.
 _DROP_FOR_PREFILL = ("stream_options", "min_tokens", "max_completion_tokens")
+
+
+def parse_side_channel(text: str, flag: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port); ValueError naming ``flag``."""
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{flag} {text!r}: expected HOST:PORT (the engine's side_channel_host and "
+                         "side_channel_port)")
+    return host, int(port)
 
 
 @dataclass
@@ -65,22 +107,56 @@ class ProxyConfig:
     prefill_timeout_s: float = 120.0
     #: Seconds allowed for the whole decode hop.
     decode_timeout_s: float = 600.0
+    #: "two-hop" (prefill, then decode with its answer) or "router" (both at once).
+    flow: str = "two-hop"
+    #: Router flow: each prefill / decode engine's side channel, ``HOST:PORT``, in
+    #: the order of the URLs.
+    prefill_side_channels: list[str] = field(default_factory=list)
+    decode_side_channels: list[str] = field(default_factory=list)
     _prefill_rr: Any = field(init=False, repr=False)
     _decode_rr: Any = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:
             raise ValueError("need at least one --prefill URL and one --decode URL")
+        if self.flow not in FLOWS:
+            raise ValueError(f"--flow {self.flow!r}: expected one of {', '.join(FLOWS)}")
         self.prefill_urls = [u.rstrip("/") for u in self.prefill_urls]
         self.decode_urls = [u.rstrip("/") for u in self.decode_urls]
-        self._prefill_rr = itertools.cycle(self.prefill_urls)
-        self._decode_rr = itertools.cycle(self.decode_urls)
+        pre_sc = [parse_side_channel(t, "--prefill-side-channel") for t in self.prefill_side_channels]
+        dec_sc = [parse_side_channel(t, "--decode-side-channel") for t in self.decode_side_channels]
+        if self.flow == "router":
+            for flag, urls, scs in (("prefill", self.prefill_urls, pre_sc), ("decode", self.decode_urls, dec_sc)):
+                if len(scs) != len(urls):
+                    raise ValueError(
+                        f"--flow router needs one --{flag}-side-channel HOST:PORT per --{flag} URL, in the "
+                        f"same order (the engine's side_channel_host and side_channel_port: the decode engine "
+                        f"finds the prefill engine through them): got {len(urls)} URL(s) and {len(scs)} "
+                        "side channel(s)")
+        elif pre_sc or dec_sc:
+            raise ValueError("--prefill-side-channel / --decode-side-channel are used only by --flow router")
+        # round-robin over (URL, side channel) pairs; two-hop: no side channel
+        self._prefill_rr = itertools.cycle(list(zip(self.prefill_urls, pre_sc or [None] * len(self.prefill_urls))))
+        self._decode_rr = itertools.cycle(list(zip(self.decode_urls, dec_sc or [None] * len(self.decode_urls))))
 
     def next_prefill(self) -> str:
-        return next(self._prefill_rr)
+        return next(self._prefill_rr)[0]
 
     def next_decode(self) -> str:
-        return next(self._decode_rr)
+        return next(self._decode_rr)[0]
+
+    def next_router_pair(self) -> tuple[tuple[str, tuple[str, int]], tuple[str, tuple[str, int]]]:
+        """Router flow: ((prefill URL, its side channel), (decode URL, its side channel))."""
+        return next(self._prefill_rr), next(self._decode_rr)
+
+
+def router_request_id(base: str, prefill: tuple[str, int], decode: tuple[str, int]) -> str:
+    """The compound id both hops carry (kvtransport_vllm.routing parses it on both engines):
+    both side channels and a fresh uuid, the key the two engines agree on. ``base`` (the
+    client's id, if any) is kept, reduced to characters that cannot confuse the parser."""
+    addr = lambda hp: f"host:{hp[0]},handshake:{hp[1]},notify:{hp[1]}"  # noqa: E731
+    base = re.sub(r"[^A-Za-z0-9.-]", "-", base)[:64] or "disagg"
+    return f"{base}___prefill_addr_{addr(prefill)}___decode_addr_{addr(decode)}_{uuid.uuid4().hex}"
 
 
 def make_prefill_request(body: dict[str, Any]) -> dict[str, Any]:
@@ -103,18 +179,37 @@ def make_decode_request(body: dict[str, Any], kv_transfer_params: dict[str, Any]
     return req
 
 
+#: Marks the proxy's own error responses (not an engine's) with their kind.
+PROXY_ERROR = web.ResponseKey("proxy_error", str) if hasattr(web, "ResponseKey") else "proxy_error"
+
+
 def _error(status: int, message: str, kind: str = "proxy_error") -> web.Response:
-    return web.json_response(
+    resp = web.json_response(
         {"error": {"message": message, "type": kind, "code": status}}, status=status
     )
+    resp[PROXY_ERROR] = kind
+    return resp
+
+
+READ_MODE_REFUSAL = (
+    "the prefill engine runs KVTransportConnector in READ mode (its kv_transfer_params say "
+    "kvtransport_mode: read); --flow router needs WRITE mode on both engines (mode: write): "
+    "in READ mode the decode engine needs the prefill's block ids, which exist only after the "
+    "prefill has answered. Restart the proxy without --flow router, or the engines with mode write."
+)
 
 
 class DisaggProxy:
-    """aiohttp application doing the prefill hop, then the decode hop."""
+    """aiohttp application doing the prefill hop, then the decode hop (or, with
+    ``flow="router"``, both at once)."""
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         self._session: aiohttp.ClientSession | None = None
+        #: router flow: set once a prefill engine turned out to run READ mode
+        self.router_refusal: str | None = None
+        #: router flow: prefill hops still running after their decode hop answered
+        self._background: set[asyncio.Task] = set()
 
     # -- lifecycle -------------------------------------------------------------
     async def _startup(self, app: web.Application) -> None:
@@ -125,6 +220,9 @@ class DisaggProxy:
         )
 
     async def _cleanup(self, app: web.Application) -> None:
+        for t in list(self._background):
+            t.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
 
@@ -178,6 +276,8 @@ class DisaggProxy:
         headers = {"X-Request-Id": request_id}
         if "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
+        if self.config.flow == "router":
+            return await self._router_flow(request, path, body, request_id, headers)
 
         # ---- prefill hop ----
         prefill_url = self.config.next_prefill()
@@ -212,19 +312,31 @@ class DisaggProxy:
 
         # ---- decode hop ----
         decode_url = self.config.next_decode()
-        decode_body = make_decode_request(body, kv_params)
+        return await self._decode_hop(request, decode_url + path, make_decode_request(body, kv_params), headers)
+
+    async def _decode_hop(self, request: web.Request, url: str, decode_body: dict[str, Any],
+                          headers: dict[str, str], before_relay: Any = None) -> web.StreamResponse:
+        """Send the decode hop and pass its answer through (streamed or not).
+        ``before_relay()``, when given, may return an error response to send instead
+        (router flow: the prefill turned out to run READ mode)."""
+        assert self._session is not None
         try:
             async with self._session.post(
-                decode_url + path,
+                url,
                 json=decode_body,
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=self.config.decode_timeout_s),
             ) as r:
                 if not decode_body.get("stream"):
-                    return web.Response(
-                        body=await r.read(), status=r.status,
+                    data = await r.read()
+                    refused = before_relay() if before_relay else None
+                    return refused or web.Response(
+                        body=data, status=r.status,
                         content_type=r.content_type or "application/json",
                     )
+                refused = before_relay() if before_relay else None
+                if refused is not None:
+                    return refused
                 resp = web.StreamResponse(status=r.status)
                 resp.content_type = r.content_type or "text/event-stream"
                 await resp.prepare(request)
@@ -233,10 +345,71 @@ class DisaggProxy:
                 await resp.write_eof()
                 return resp
         except asyncio.TimeoutError:
-            return _error(504, f"decode server {decode_url} did not finish in "
+            return _error(504, f"decode server {url} did not finish in "
                                f"{self.config.decode_timeout_s:.0f}s", "decode_timeout")
         except aiohttp.ClientError as e:
-            return _error(502, f"decode server {decode_url} unreachable: {e}", "decode_unreachable")
+            return _error(502, f"decode server {url} unreachable: {e}", "decode_unreachable")
+
+    # -- router flow -------------------------------------------------------------
+    async def _router_flow(self, request: web.Request, path: str, body: dict[str, Any],
+                           request_id: str, headers: dict[str, str]) -> web.StreamResponse:
+        """Both hops at once, one compound id; the decode answer is passed through."""
+        if self.router_refusal:
+            return _error(502, self.router_refusal, "router_flow_needs_write_mode")
+        (prefill_url, prefill_sc), (decode_url, decode_sc) = self.config.next_router_pair()
+        rid = router_request_id(request_id, prefill_sc, decode_sc)
+        hdrs = dict(headers, **{"X-Request-Id": rid})
+        prefill = asyncio.ensure_future(self._router_prefill(prefill_url + path, make_prefill_request(body), hdrs))
+        decode_body = copy.deepcopy(body)
+        decode_body["kv_transfer_params"] = dict(ROUTER_DECODE_KV_PARAMS)
+
+        def refused() -> web.Response | None:
+            # the prefill has answered that it runs READ mode: this decode answer (a
+            # refused load, recomputed or failed per policy) is not what was asked for
+            if self.router_refusal and prefill.done():
+                return _error(502, self.router_refusal, "router_flow_needs_write_mode")
+            return None
+
+        try:
+            resp = await self._decode_hop(request, decode_url + path, decode_body, hdrs, refused)
+        except BaseException:
+            prefill.cancel()  # the client went away: abort the prefill too
+            raise
+        if not prefill.done():
+            if str(resp.get(PROXY_ERROR, "")).startswith("decode_"):
+                # the decode engine never answered: abort the prefill (its engine frees the blocks)
+                prefill.cancel()
+            else:
+                # normally done by now; else let it finish on its own (its hold ends when the
+                # decode engine releases it or the lease lapses)
+                self._background.add(prefill)
+                prefill.add_done_callback(self._background.discard)
+        return resp
+
+    async def drain(self) -> None:
+        """Wait for the router flow's prefill hops still running after their decode hop."""
+        await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    async def _router_prefill(self, url: str, prefill_body: dict[str, Any], headers: dict[str, str]) -> None:
+        """The router flow's prefill hop: its answer is not needed, only checked. A failure
+        is logged: the decode engine learns of it from the prefill engine or its deadline."""
+        assert self._session is not None
+        try:
+            async with self._session.post(
+                url, json=prefill_body, headers=headers,
+                timeout=aiohttp.ClientTimeout(total=self.config.prefill_timeout_s),
+            ) as r:
+                if r.status != 200:
+                    log.warning("%s: prefill hop on %s answered HTTP %d: %s", headers["X-Request-Id"], url,
+                                r.status, (await r.text())[:300])
+                    return
+                kv = (await r.json()).get("kv_transfer_params") or {}
+        except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+            log.warning("%s: prefill hop on %s failed: %s", headers["X-Request-Id"], url, type(e).__name__)
+            return
+        if kv.get("kvtransport_mode") == "read" and not self.router_refusal:
+            self.router_refusal = READ_MODE_REFUSAL
+            log.error("%s: %s", url, READ_MODE_REFUSAL)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -247,22 +420,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="base URL of a kv_producer vLLM server (repeatable)")
     p.add_argument("--decode", action="append", required=True, metavar="URL",
                    help="base URL of a kv_consumer vLLM server (repeatable)")
+    p.add_argument("--flow", choices=FLOWS, default="two-hop",
+                   help="two-hop (default): prefill, then decode with the prefill's kv_transfer_params; "
+                        "router: both at once with a compound request id (KVTransportConnector WRITE mode only; "
+                        "needs the side-channel flags below)")
+    p.add_argument("--prefill-side-channel", action="append", default=[], metavar="HOST:PORT",
+                   help="--flow router: side_channel_host:side_channel_port of each --prefill engine, same order")
+    p.add_argument("--decode-side-channel", action="append", default=[], metavar="HOST:PORT",
+                   help="--flow router: side_channel_host:side_channel_port of each --decode engine, same order")
     p.add_argument("--prefill-timeout", type=float, default=120.0, metavar="S")
     p.add_argument("--decode-timeout", type=float, default=600.0, metavar="S")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
 
+def make_config(args: argparse.Namespace) -> ProxyConfig:
+    return ProxyConfig(
+        prefill_urls=args.prefill, decode_urls=args.decode,
+        prefill_timeout_s=args.prefill_timeout, decode_timeout_s=args.decode_timeout,
+        flow=args.flow, prefill_side_channels=args.prefill_side_channel,
+        decode_side_channels=args.decode_side_channel,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = ProxyConfig(
-        prefill_urls=args.prefill, decode_urls=args.decode,
-        prefill_timeout_s=args.prefill_timeout, decode_timeout_s=args.decode_timeout,
-    )
-    log.info("proxy on http://%s:%d  prefill=%s  decode=%s",
-             args.host, args.port, config.prefill_urls, config.decode_urls)
+    try:
+        config = make_config(args)
+    except ValueError as e:
+        raise SystemExit(f"disagg_proxy: {e}") from None
+    log.info("proxy on http://%s:%d  flow=%s  prefill=%s  decode=%s", args.host, args.port,
+             config.flow, config.prefill_urls, config.decode_urls)
     web.run_app(DisaggProxy(config).app(), host=args.host, port=args.port,
                 print=None, access_log=None)
 

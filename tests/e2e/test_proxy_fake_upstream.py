@@ -35,11 +35,18 @@ class FakeEngine:
         self.role, self.kv_params, self.status = role, kv_params, status
         self.bodies: list[dict] = []
         self.headers: list[dict] = []
+        #: set when a request has arrived (router flow: the other hop may wait for it)
+        self.arrived = asyncio.Event()
+        #: awaited before answering (router flow: answer only once the other hop arrived)
+        self.wait_for: asyncio.Event | None = None
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
         self.headers.append({k.lower(): v for k, v in request.headers.items()})
+        self.arrived.set()
+        if self.wait_for is not None:
+            await self.wait_for.wait()
         if self.status != 200:
             return web.json_response({"error": {"message": "bad prompt"}}, status=self.status)
         if body.get("stream"):
@@ -74,7 +81,8 @@ async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
 
 
 def run_with(prefill: FakeEngine | None, decode: FakeEngine, scenario, **cfg):
-    """Start fake engines + the proxy in this event loop, run ``scenario(session, proxy_url)``."""
+    """Start fake engines + the proxy in this event loop, run ``scenario(session, proxy_url)``
+    (or ``scenario(session, proxy_url, proxy)`` when it takes three arguments)."""
 
     async def main():
         runners = []
@@ -90,6 +98,8 @@ def run_with(prefill: FakeEngine | None, decode: FakeEngine, scenario, **cfg):
             r, proxy_url = await _serve(proxy.app())
             runners.insert(0, r)
             async with aiohttp.ClientSession() as s:
+                if scenario.__code__.co_argcount == 3:
+                    return await scenario(s, proxy_url, proxy)
                 return await scenario(s, proxy_url)
         finally:
             for r in runners:
@@ -186,3 +196,157 @@ def test_fake_upstream_bad_request_body_is_400(payload):
 def test_proxy_config_needs_both_sides():
     with pytest.raises(ValueError, match="--prefill"):
         disagg_proxy.ProxyConfig([], ["http://x"])
+
+
+# --------------------------------------------------------------------------- --flow router
+ROUTER = dict(flow="router", prefill_side_channels=["127.0.0.1:5611"], decode_side_channels=["127.0.0.1:5722"])
+
+
+def _waiting_for_each_other(pre: FakeEngine, dec: FakeEngine) -> None:
+    """Each fake answers only once the other hop has arrived: a proxy that waited for the
+    prefill's answer before sending the decode hop never gets an answer (the safety stop
+    in the scenario fails the test)."""
+    pre.wait_for, dec.wait_for = dec.arrived, pre.arrived
+
+
+def test_fake_upstream_router_flow_sends_both_hops_at_once_with_one_compound_id():
+    from kvtransport_vllm.routing import parse_router_request_id
+
+    pre, dec = FakeEngine("prefill"), FakeEngine("decode")
+    _waiting_for_each_other(pre, dec)
+    req = {"model": "m", "prompt": "hi", "max_tokens": 9, "temperature": 0, "stream_options": {"x": 1}}
+
+    async def scenario(s, url):
+        async def go():
+            async with s.post(url + "/v1/completions", json=req, headers={"X-Request-Id": "client_7"}) as r:
+                return r.status, await r.json()
+        return await asyncio.wait_for(go(), timeout=30)  # safety stop, not a measured time
+
+    status, body = run_with(pre, dec, scenario, **ROUTER)
+    assert status == 200 and body["choices"][0]["text"] == "decode-text"
+    (p,), (d,) = pre.bodies, dec.bodies
+    # prefill hop: one token, not streamed, keep the KV for a remote decoder
+    assert p["max_tokens"] == 1 and p["stream"] is False and "stream_options" not in p
+    assert p["kv_transfer_params"]["do_remote_decode"] is True
+    # decode hop: the client's request, asking only for a remote prefill (WRITE: no block ids)
+    assert d["max_tokens"] == 9 and d["stream_options"] == {"x": 1}
+    assert d["kv_transfer_params"] == {"do_remote_prefill": True}
+    # one compound id on both hops, naming both side channels; the connector parses it
+    rid = pre.headers[0]["x-request-id"]
+    assert dec.headers[0]["x-request-id"] == rid
+    parsed = parse_router_request_id(rid)
+    assert parsed is not None and rid.startswith("client-7___prefill_addr_")
+    assert (parsed.prefill.host, parsed.prefill.port) == ("127.0.0.1", 5611)
+    assert (parsed.decode.host, parsed.decode.port) == ("127.0.0.1", 5722)
+    assert len(parsed.uuid) == 32
+
+
+def test_fake_upstream_router_flow_fresh_uuid_per_request_and_streaming():
+    from kvtransport_vllm.routing import parse_router_request_id
+
+    pre, dec = FakeEngine("prefill"), FakeEngine("decode")
+    _waiting_for_each_other(pre, dec)
+
+    async def scenario(s, url):
+        out = []
+        for _ in range(2):
+            async with s.post(url + "/v1/chat/completions",
+                              json={"model": "m", "messages": [], "stream": True}) as r:
+                out.append((r.status, r.content_type, await r.text()))
+        return out
+
+    got = run_with(pre, dec, scenario, **ROUTER)
+    for status, ctype, text in got:
+        assert status == 200 and ctype == "text/event-stream"
+        assert text.count("data:") == 4 and text.endswith("data: [DONE]\n\n")
+    assert [b["stream"] for b in pre.bodies] == [False, False]
+    assert [b["stream"] for b in dec.bodies] == [True, True]
+    uuids = {parse_router_request_id(h["x-request-id"]).uuid for h in pre.headers}
+    assert len(uuids) == 2  # a fresh transfer key per request
+    assert [h["x-request-id"] for h in pre.headers] == [h["x-request-id"] for h in dec.headers]
+
+
+@pytest.mark.parametrize("prefill_status", [None, 500])
+def test_fake_upstream_router_flow_failed_prefill_returns_the_decode_answer(prefill_status):
+    """The prefill hop fails (engine unreachable or an error status): the decode engine's
+    answer (its load failure policy decides: recompute or an error) is what the client gets."""
+    pre = None if prefill_status is None else FakeEngine("prefill", status=prefill_status)
+    dec = FakeEngine("decode")
+
+    async def scenario(s, url, proxy):
+        async with s.post(url + "/v1/completions", json={"model": "m", "prompt": "x"}) as r:
+            out = r.status, await r.json()
+        await proxy.drain()
+        return out
+
+    status, body = run_with(pre, dec, scenario, **ROUTER)
+    assert status == 200 and body["choices"][0]["text"] == "decode-text"
+    assert len(dec.bodies) == 1
+
+
+def test_fake_upstream_router_flow_decode_error_passes_through():
+    pre, dec = FakeEngine("prefill"), FakeEngine("decode", status=500)
+
+    async def scenario(s, url, proxy):
+        async with s.post(url + "/v1/completions", json={"model": "m", "prompt": "x"}) as r:
+            out = r.status, await r.json()
+        await proxy.drain()
+        return out
+
+    status, body = run_with(pre, dec, scenario, **ROUTER)
+    assert status == 500 and body["error"]["message"] == "bad prompt"
+
+
+def test_fake_upstream_router_flow_refuses_a_read_mode_prefill():
+    """READ mode cannot run the router flow: once a prefill answer says so, the proxy
+    refuses (502 naming WRITE mode) without contacting either engine."""
+    pre = FakeEngine("prefill", kv_params=dict(KV, kvtransport_mode="read"))
+    dec = FakeEngine("decode")
+
+    async def scenario(s, url, proxy):
+        async with s.post(url + "/v1/completions", json={"model": "m", "prompt": "x"}) as r:
+            first = r.status
+        await proxy.drain()
+        async with s.post(url + "/v1/completions", json={"model": "m", "prompt": "x"}) as r:
+            return first, r.status, await r.json()
+
+    first, status, body = run_with(pre, dec, scenario, **ROUTER)
+    assert first in (200, 502)  # 502 when the prefill's answer came before the decode's
+    assert status == 502 and body["error"]["type"] == "router_flow_needs_write_mode"
+    assert "READ mode" in body["error"]["message"] and "mode write" in body["error"]["message"]
+    assert len(pre.bodies) == len(dec.bodies) == 1  # the refused request reached no engine
+
+
+@pytest.mark.parametrize("cfg, message", [
+    (dict(flow="router"), "one --prefill-side-channel HOST:PORT per --prefill URL"),
+    (dict(flow="router", prefill_side_channels=["h:1"]), "one --decode-side-channel HOST:PORT per --decode URL"),
+    (dict(flow="router", prefill_side_channels=["h:1", "h:2"], decode_side_channels=["h:3"]),
+     "got 1 URL\\(s\\) and 2 side channel"),
+    (dict(flow="router", prefill_side_channels=["h"], decode_side_channels=["h:3"]),
+     "--prefill-side-channel 'h': expected HOST:PORT"),
+    (dict(flow="router", prefill_side_channels=["h:1"], decode_side_channels=["h:99999"]),
+     "--decode-side-channel 'h:99999': expected HOST:PORT"),
+    (dict(prefill_side_channels=["h:1"], decode_side_channels=["h:3"]), "used only by --flow router"),
+    (dict(flow="parallel"), "--flow 'parallel'"),
+])
+def test_proxy_config_router_flow_argument_checks(cfg, message):
+    with pytest.raises(ValueError, match=message):
+        disagg_proxy.ProxyConfig(["http://p"], ["http://d"], **cfg)
+
+
+def test_proxy_cli_router_flow_refused_at_start_with_the_reason(capsys):
+    with pytest.raises(SystemExit, match="--flow router needs one --decode-side-channel"):
+        disagg_proxy.main(["--flow", "router", "--prefill", "http://p", "--prefill-side-channel", "127.0.0.1:5600",
+                           "--decode", "http://d"])
+
+
+def test_proxy_cli_router_flow_pairs_side_channels_with_urls():
+    args = disagg_proxy.parse_args(["--flow", "router",
+                                    "--prefill", "http://p1", "--prefill-side-channel", "10.0.0.1:5600",
+                                    "--prefill", "http://p2", "--prefill-side-channel", "[::1]:5601",
+                                    "--decode", "http://d1", "--decode-side-channel", "10.0.0.9:5700"])
+    cfg = disagg_proxy.make_config(args)
+    pairs = [cfg.next_router_pair() for _ in range(3)]
+    assert [p[0] for p in pairs] == [("http://p1", ("10.0.0.1", 5600)), ("http://p2", ("::1", 5601)),
+                                     ("http://p1", ("10.0.0.1", 5600))]
+    assert all(p[1] == ("http://d1", ("10.0.0.9", 5700)) for p in pairs)
