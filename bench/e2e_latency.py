@@ -10,6 +10,8 @@ It starts every setup at once (prefill engines confined to CPU 0, decode engines
 * ``single``     one engine, no disaggregation (the reference for tokens and time);
 * ``kvt-read``   KVTransportConnector, loopback backend, READ (decode pulls);
 * ``kvt-write``  KVTransportConnector, loopback backend, WRITE (prefill pushes);
+* ``kvt-write-router``  the same WRITE pair driven by the **router flow** (parallel dispatch):
+  the client sends the prefill hop and the decode hop at the same time (see below);
 * ``kvt-ucx``    KVTransportConnector, ucx backend, READ (only when asked for);
 * ``kvt-read-sleep``, ``kvt-write-sleep``  the same with ``vllm_spin_yield: sleep`` (vLLM's
   wait loops yield with ``time.sleep(0)``; only when asked for);
@@ -32,6 +34,18 @@ the prefill's ``kv_transfer_params``), exactly as ``examples/disagg_proxy.py`` d
 ExampleConnector -- which returns no ``kv_transfer_params`` -- is driven the same way and no
 proxy process competes for the two cores; the prefill hop's time is reported separately.
 
+``kvt-write-router`` is driven as ``examples/disagg_proxy.py --flow router`` drives it: both hops
+leave together, with one fresh MoRIIO-style compound ``X-Request-Id`` per request
+(``bench-router___prefill_addr_host:127.0.0.1,handshake:P,notify:P___decode_addr_host:...,
+handshake:D,notify:D_<32 hex>``; docs/VLLM.md, Routers). The prefill body asks
+``do_remote_decode`` (``max_tokens=1``), the decode body only ``do_remote_prefill``: the decode
+engine sends its block ids to the prefill engine, which writes the KV once its prefill is done.
+TTFT and end-to-end time run from the moment both are sent; the "prefill hop" column is the
+prefill request's own time from that moment, and "decode hop" is end-to-end minus it (not a
+sequential phase here). Only WRITE mode can run this flow (a READ consumer needs the producer's
+block ids, which exist only after the prefill), and not the ExampleConnector (it loads from
+files synchronously): asking for ``kvt-read-router`` or ``kvt-ucx-router`` is refused.
+
 Engines: tiny Llama (tests/e2e/tiny_model.py), block 32, float32, prefill pinned to CPU 0 and
 decode to CPU 1 (``VLLM_CPU_OMP_THREADS_BIND``); the single engine runs on CPU 0.
 No timing is asserted anywhere: this prints numbers; the issue's targets are read from them.
@@ -50,6 +64,7 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,6 +132,9 @@ class Setup:
     remote_params: bool  # does the prefill return kv_transfer_params for the decode hop?
     cleanup: list[Path] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)  # failed requests (status, engine died)
+    #: router flow: (prefill, decode) side-channel base ports named in the compound request id;
+    #: both hops are sent at once. None: the two-hop flow (prefill answer, then decode).
+    router_ports: tuple[int, int] | None = None
 
     @property
     def alive(self) -> bool:
@@ -140,15 +158,23 @@ def make_setup(name: str, model: Path, log_dir: Path) -> Setup:
     if name.startswith("kvt-"):
         # "-sleep": vLLM's wait loops yield with time.sleep(0) (vllm_spin_yield: sleep), to compare
         base, spin = (name[: -len("-sleep")], "sleep") if name.endswith("-sleep") else (name, None)
-        mode, backend = {"kvt-read": ("read", "loopback"), "kvt-write": ("write", "loopback"),
-                         "kvt-ucx": ("read", "ucx")}[base]
+        # "-router": both hops sent at once (parallel dispatch), WRITE mode only
+        base, router = (base[: -len("-router")], True) if base.endswith("-router") else (base, False)
+        modes = {"kvt-read": ("read", "loopback"), "kvt-write": ("write", "loopback"), "kvt-ucx": ("read", "ucx")}
+        if base not in modes:
+            raise SystemExit(f"unknown setup {name!r}")
+        mode, backend = modes[base]
+        if router and mode != "write":
+            raise SystemExit(f"setup {name!r}: the router flow needs WRITE mode (the decode engine sends its block "
+                             "ids to the prefill engine, which pushes the KV once its prefill is done); in READ mode "
+                             "the decode engine needs the prefill's block ids, which exist only after the prefill "
+                             "has answered. Use kvt-write-router.")
+        pre_port, dec_port = harness.free_port(), harness.free_port()
         pre = harness.vllm_server(f"{name}-prefill", model, log_dir, cpu=0, env_extra=env,
-                                  kv_transfer_config=kvt_config("kv_producer", mode, backend,
-                                                                harness.free_port(), spin))
+                                  kv_transfer_config=kvt_config("kv_producer", mode, backend, pre_port, spin))
         dec = harness.vllm_server(f"{name}-decode", model, log_dir, cpu=1, env_extra=env,
-                                  kv_transfer_config=kvt_config("kv_consumer", mode, backend,
-                                                                harness.free_port(), spin))
-        return Setup(name, pre, dec, True)
+                                  kv_transfer_config=kvt_config("kv_consumer", mode, backend, dec_port, spin))
+        return Setup(name, pre, dec, True, router_ports=(pre_port, dec_port) if router else None)
     if name == "example":
         store = Path(tempfile.mkdtemp(prefix="kvt-bench-example-"))
         cfg = lambda role: {"kv_connector": "ExampleConnector", "kv_role": role,  # noqa: E731
@@ -222,21 +248,23 @@ async def _prefill_hop(client: httpx.AsyncClient, setup: Setup, prompt: list[int
     return r.json().get("kv_transfer_params")
 
 
-async def one_request(client: httpx.AsyncClient, setup: Setup, prompt: list[int], n: int) -> Sample:
-    request_id = f"bench-{secrets.token_hex(6)}"
-    _trace("c_start", request_id, n=len(prompt))
-    t0 = time.perf_counter()
-    params = None
-    if setup.prefill is not None:
-        params = await _prefill_hop(client, setup, prompt, request_id)
-        if setup.remote_params and not params:
-            raise RuntimeError(f"{setup.name}: prefill returned no kv_transfer_params")
-    t_pre = time.perf_counter()
-    _trace("c_prefilled", request_id)
+def router_request_id(prefill_port: int, decode_port: int) -> str:
+    """A fresh MoRIIO router compound id naming both side channels (kvtransport_vllm.routing)."""
+    addr = lambda port: f"host:127.0.0.1,handshake:{port},notify:{port}"  # noqa: E731
+    return f"bench-router___prefill_addr_{addr(prefill_port)}___decode_addr_{addr(decode_port)}_{uuid.uuid4().hex}"
+
+
+def _decode_body(prompt: list[int], n: int, params: dict[str, Any] | None) -> dict[str, Any]:
     body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0.0,
                             "stream": True, "ignore_eos": True, "return_token_ids": True}
     if params:
         body["kv_transfer_params"] = params
+    return body
+
+
+async def _stream_decode(client: httpx.AsyncClient, setup: Setup, body: dict[str, Any], request_id: str,
+                         t0: float) -> tuple[list[int], float | None]:
+    """The decode hop, streamed: (tokens, TTFT from ``t0``)."""
     tokens: list[int] = []
     ttft = None
     async with client.stream("POST", setup.decode.url + "/v1/completions", json=body,
@@ -252,6 +280,50 @@ async def one_request(client: httpx.AsyncClient, setup: Setup, prompt: list[int]
                     ttft = time.perf_counter() - t0
                     _trace("c_first", request_id)
                 tokens += ids
+    return tokens, ttft
+
+
+async def one_request_router(client: httpx.AsyncClient, setup: Setup, prompt: list[int], n: int) -> Sample:
+    """The router flow: prefill and decode hops sent at once, one compound id for both."""
+    assert setup.router_ports is not None
+    request_id = router_request_id(*setup.router_ports)
+    _trace("c_start", request_id, n=len(prompt))
+    t0 = time.perf_counter()
+    t_pre = t0
+
+    async def prefill() -> None:
+        nonlocal t_pre
+        await _prefill_hop(client, setup, prompt, request_id)
+        t_pre = time.perf_counter()
+        _trace("c_prefilled", request_id)
+
+    pre_task = asyncio.ensure_future(prefill())
+    try:
+        tokens, ttft = await _stream_decode(client, setup, _decode_body(prompt, n, {"do_remote_prefill": True}),
+                                            request_id, t0)
+    finally:
+        # a failed decode hop leaves the prefill to finish (its hold is released or lapses)
+        await asyncio.gather(pre_task, return_exceptions=True)
+    t_end = time.perf_counter()
+    _trace("c_end", request_id)
+    pre_task.result()  # a failed prefill hop fails the sample too
+    return Sample(tuple(prompt), tokens, ttft if ttft is not None else t_end - t0, t_end - t0, t_pre - t0)
+
+
+async def one_request(client: httpx.AsyncClient, setup: Setup, prompt: list[int], n: int) -> Sample:
+    if setup.router_ports is not None:
+        return await one_request_router(client, setup, prompt, n)
+    request_id = f"bench-{secrets.token_hex(6)}"
+    _trace("c_start", request_id, n=len(prompt))
+    t0 = time.perf_counter()
+    params = None
+    if setup.prefill is not None:
+        params = await _prefill_hop(client, setup, prompt, request_id)
+        if setup.remote_params and not params:
+            raise RuntimeError(f"{setup.name}: prefill returned no kv_transfer_params")
+    t_pre = time.perf_counter()
+    _trace("c_prefilled", request_id)
+    tokens, ttft = await _stream_decode(client, setup, _decode_body(prompt, n, params), request_id, t0)
     t_end = time.perf_counter()
     _trace("c_end", request_id)
     return Sample(tuple(prompt), tokens, ttft if ttft is not None else t_end - t0, t_end - t0, t_pre - t0)
