@@ -244,14 +244,23 @@ def vllm_server(name: str, model: Path, log_dir: Path, cpu: int | None,
 
 
 def proxy_process(name: str, log_dir: Path, prefill_url: str, decode_url: str,
-                  prefill_timeout_s: float = 60.0, decode_timeout_s: float = 120.0) -> VllmServer:
-    """The documented example proxy (examples/disagg_proxy.py), run exactly as a user would."""
+                  prefill_timeout_s: float = 60.0, decode_timeout_s: float = 120.0,
+                  extra_args: list[str] | None = None) -> VllmServer:
+    """The documented example proxy (examples/disagg_proxy.py), run exactly as a user would
+    (``extra_args``: e.g. ``--flow router`` and its side-channel flags)."""
     port = free_port()
     cmd = [PYTHON, str(REPO / "examples" / "disagg_proxy.py"), "--port", str(port),
            "--prefill", prefill_url, "--decode", decode_url,
            "--prefill-timeout", str(prefill_timeout_s), "--decode-timeout", str(decode_timeout_s)]
+    cmd += extra_args or []
     return VllmServer(name=name, cmd=cmd, env=base_env(None), log_path=log_dir / f"{name}.log",
                       port=port)
+
+
+def side_channel_port(server: VllmServer) -> int:
+    """The ``side_channel_port`` a server was started with (from its --kv-transfer-config)."""
+    cfg = json.loads(server.cmd[server.cmd.index("--kv-transfer-config") + 1])
+    return int(cfg["kv_connector_extra_config"]["side_channel_port"])
 
 
 def start_all(servers: list[VllmServer], timeout_s: float = 300.0) -> dict[str, float]:

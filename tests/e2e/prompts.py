@@ -60,6 +60,22 @@ def restart_prompts(vocab: int, seed: int) -> list[list[int]]:
     return [_ids(rng, n, vocab) for n in (2 * BLOCK_SIZE + 5,)]
 
 
+#: Router flow (both hops at once): below a block, a block, across blocks, many blocks.
+ROUTER_LENGTHS = [5, BLOCK_SIZE, BLOCK_SIZE + 1, 3 * BLOCK_SIZE, 7 * BLOCK_SIZE + 3]
+N_ROUTER_CONCURRENT = 8
+
+
+def router_prompts(vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(6000 + seed)
+    return [_ids(rng, n, vocab) for n in ROUTER_LENGTHS]
+
+
+def router_concurrent_prompts(vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(6500 + seed)
+    lengths = [rng.randint(BLOCK_SIZE, 8 * BLOCK_SIZE) for _ in range(N_ROUTER_CONCURRENT - 1)] + [9]
+    return [_ids(rng, n, vocab) for n in lengths]
+
+
 def pair_seed(backend: str, mode: str) -> int:
     """Each pair (backend, mode) gets its own prompts, so a prompt a test sends was never
     seen by that pair's engines before (their prefix caches cannot hide a remote load)."""
@@ -71,7 +87,7 @@ def all_prompts(vocab: int, seeds: list[int]) -> list[tuple[list[int], int]]:
     out = []
     for seed in seeds:
         for fn in (correctness_prompts, concurrent_prompts, kill_prompts, kill_proxy_prompts,
-                   after_kill_prompts, restart_prompts):
+                   after_kill_prompts, restart_prompts, router_prompts, router_concurrent_prompts):
             out += [(p, MAX_TOKENS) for p in fn(vocab, seed)]
     return out
 

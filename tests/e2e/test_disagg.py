@@ -17,7 +17,11 @@ What a user would check, and what these tests assert:
   failed per policy; a recomputed request's tokens equal the single engine's; and
   the decode engine keeps serving.
 
-* a prefill engine restarted on the same address is used again.
+* a prefill engine restarted on the same address is used again;
+* the router flow (``disagg_proxy.py --flow router``: both hops at once, one compound
+  request id): WRITE loads every prompt of a block or more and answers like one engine,
+  sequentially and 8 at once, leaking nothing; READ (which cannot run it) refuses the load,
+  recomputes, and the proxy then refuses the flow naming WRITE mode.
 
 Cost is start-up: one baseline engine (~25 s) and, per (backend, mode), a prefill +
 decode pair (~35 s) plus one prefill restart (~25 s). Measured on the 2-core dev box:
@@ -41,7 +45,8 @@ import pytest
 
 from . import prompts
 from .conftest import BASELINE_SEEDS, LEASE_S, TRANSFER_TIMEOUT_S
-from .harness import BLOCK_SIZE, VllmServer
+from .harness import BLOCK_SIZE, VllmServer, proxy_process, side_channel_port
+from .harness import start_all as harness_start
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -371,3 +376,142 @@ def test_prefill_restarted_pair_serves_again(pair, baseline, vocab_size):
     assert ext1 - ext0 > 0, "decode engine did not load remote KV from the restarted prefill engine"
     wait_idle(pair.decode)
     wait_idle(pair.prefill)
+
+
+# --------------------------------------------------------------------------- router flow
+def _router_proxy(pair, log_dir) -> VllmServer:
+    """examples/disagg_proxy.py with ``--flow router`` in front of this pair: both hops at once,
+    one compound request id naming both engines' side channels."""
+    pre_sc, dec_sc = side_channel_port(pair.prefill), side_channel_port(pair.decode)
+    return proxy_process(f"router-proxy-{pair.backend}-{pair.mode}", log_dir, pair.prefill.url, pair.decode.url,
+                         prefill_timeout_s=60, decode_timeout_s=120,
+                         extra_args=["--flow", "router", "--prefill-side-channel", f"127.0.0.1:{pre_sc}",
+                                     "--decode-side-channel", f"127.0.0.1:{dec_sc}"])
+
+
+def test_router_flow_parallel_dispatch(pair, baseline, vocab_size, log_dir):
+    """The router flow (prefill and decode hops sent at once, MoRIIO compound request id) on
+    real engines through ``disagg_proxy.py --flow router``.
+
+    WRITE: the decode engine sends its block ids before the prefill has finished; the prefill
+    engine queues them and pushes the KV when done. Greedy tokens equal the single engine's
+    (below a block, one block, across blocks), sequentially and 8 at once; every prompt of a
+    block or more is loaded (external prompt tokens, one ok load and one ok hold each); the
+    short ones are computed by the decode engine and their holds released; both engines idle
+    with every block free afterwards.
+
+    READ cannot run this flow (the decode engine needs the prefill's block ids): the decode
+    engine refuses the params (load ``params_refused``, recomputed per the READ pair's policy,
+    right tokens), the prefill engine's hold is released, and the proxy, once a prefill answer
+    says READ mode, refuses further requests with 502 naming WRITE mode."""
+    pair.ensure_prefill()
+    wait_idle(pair.decode)
+    wait_idle(pair.prefill)
+    proxy = _router_proxy(pair, log_dir)
+    try:
+        harness_start([proxy])
+        if pair.mode == "write":
+            _router_flow_write(pair, proxy, baseline, vocab_size)
+        else:
+            _router_flow_read_refused(pair, proxy, baseline, vocab_size)
+        wait_idle(pair.decode)
+        wait_idle(pair.prefill)
+    finally:
+        proxy.stop()
+
+
+def _router_flow_write(pair, proxy, baseline, vocab_size) -> None:
+    seed = _seed(pair)
+    client = prompts.client(proxy.url)
+    loads0, holds0 = _outcomes(pair.decode, "load", "ok"), _outcomes(pair.prefill, "hold", "ok")
+    released0 = _outcomes(pair.prefill, "hold", "released")
+    failed0 = _outcomes(pair.decode, "load") - loads0
+    seen, mismatches = [], []
+    for p in prompts.router_prompts(vocab_size, seed):
+        ext0, loc0 = _prompt_tokens(pair.decode)
+        _, pre_loc0 = _prompt_tokens(pair.prefill)
+        got = prompts.complete(client, p)
+        ext1, loc1 = _prompt_tokens(pair.decode)
+        _, pre_loc1 = _prompt_tokens(pair.prefill)
+        row = dict(len=len(p), remote=ext1 - ext0, local=loc1 - loc0, prefill_local=pre_loc1 - pre_loc0)
+        seen.append(row)
+        if got != baseline[tuple(p)]:
+            mismatches.append((len(p), got, baseline[tuple(p)]))
+    print(f"\n[e2e] {pair.backend}-write router flow, prompt tokens per request on decode: {seen}")
+    assert not mismatches, f"router flow output differs from the single engine: {mismatches}"
+    for row in seen:
+        assert row["local"] + row["remote"] == row["len"], row
+        if row["len"] >= BLOCK_SIZE:  # loaded from the prefill engine, which computed it
+            assert row["remote"] > 0 and row["local"] < BLOCK_SIZE, row
+            assert row["prefill_local"] == row["len"], row
+        else:  # nothing to load: the decode engine computes it
+            assert row["remote"] == 0, row
+
+    ps = prompts.router_concurrent_prompts(vocab_size, seed)
+    ext0, _ = _prompt_tokens(pair.decode)
+
+    async def run():
+        c = prompts.async_client(proxy.url)
+        try:
+            return await asyncio.gather(*(prompts.acomplete(c, p) for p in ps), return_exceptions=True)
+        finally:
+            await c.close()
+
+    results = asyncio.run(asyncio.wait_for(run(), timeout=300))
+    errors = [(len(p), repr(r)) for p, r in zip(ps, results) if isinstance(r, BaseException)]
+    assert not errors, f"router flow requests failed: {errors}"
+    wrong = [len(p) for p, r in zip(ps, results) if prompts.completion_ids(r) != baseline[tuple(p)]]
+    assert not wrong, f"{len(wrong)} of {len(ps)} concurrent router-flow outputs differ (lengths {wrong})"
+    ext1, _ = _prompt_tokens(pair.decode)
+    long_ = [p for p in ps if len(p) >= BLOCK_SIZE]
+    assert ext1 - ext0 >= sum(len(p) - BLOCK_SIZE for p in long_), (ext0, ext1)
+
+    # one ok load and one ok hold per prompt of a block or more; the short ones' holds are
+    # released (their consumer had nothing to load, often before the prefill finished)
+    every = prompts.router_prompts(vocab_size, seed) + ps
+    n_remote = sum(1 for p in every if len(p) >= BLOCK_SIZE)
+    n_short = len(every) - n_remote
+    loads = wait_for_count("decode loads ok", lambda: _outcomes(pair.decode, "load", "ok"), loads0 + n_remote)
+    holds = wait_for_count("prefill holds ok", lambda: _outcomes(pair.prefill, "hold", "ok"), holds0 + n_remote)
+    released = wait_for_count("prefill holds released", lambda: _outcomes(pair.prefill, "hold", "released"),
+                              released0 + n_short)
+    assert (loads - loads0, holds - holds0, released - released0) == (n_remote, n_remote, n_short)
+    assert _outcomes(pair.decode, "load") - loads - failed0 == 0  # no failed load
+
+
+def _router_flow_read_refused(pair, proxy, baseline, vocab_size) -> None:
+    assert pair.policy == "recompute"  # POLICY_BY_MODE: the refused load is recomputed
+    seed = _seed(pair)
+    refused0 = _outcomes(pair.decode, "load", "params_refused")
+    released0 = _outcomes(pair.prefill, "hold", "released")
+
+    def ask(p: list[int]) -> httpx.Response:
+        return httpx.post(proxy.url + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": p, "max_tokens": prompts.MAX_TOKENS, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True})
+
+    # Both engines get the first request. The decode engine refuses the params (no block ids)
+    # and recomputes; the proxy passes that answer through, or -- when the prefill's answer,
+    # saying READ mode, came first -- refuses it. From then on it refuses every request,
+    # contacting neither engine: a few requests at most show it.
+    p = prompts.router_prompts(vocab_size, seed)[3]  # several blocks
+    statuses = []
+    for i, q in enumerate([p] + prompts.router_prompts(vocab_size, seed)[:3]):
+        r = ask(q)
+        statuses.append(r.status_code)
+        if r.status_code == 200:
+            assert r.json()["choices"][0]["token_ids"] == baseline[tuple(q)]  # recomputed
+            continue
+        assert r.status_code == 502, r.text
+        err = r.json()["error"]
+        assert err["type"] == "router_flow_needs_write_mode" and "READ mode" in err["message"], err
+        if i > 0:
+            break
+    assert statuses[-1] == 502, f"proxy never refused the router flow on a READ pair: {statuses}"
+    # Every request the engines got (each answered 200, the first, and perhaps the one refused
+    # in flight) is a refused load on the decode engine and a released hold on the prefill one.
+    least = max(1, statuses.count(200))
+    wait_for_count("decode loads refused", lambda: _outcomes(pair.decode, "load", "params_refused"),
+                   refused0 + least)
+    wait_for_count("prefill holds released", lambda: _outcomes(pair.prefill, "hold", "released"),
+                   released0 + least)
