@@ -500,6 +500,11 @@ class Agent:
         except Exception as exc:  # a backend refusal fails the transfer, once, visibly
             self._fail(t, f"backend {self.backend_name!r} refused the post: "
                           f"{type(exc).__name__}: {exc}", quiesced=True)
+            return t
+        # One poll now, while everything is in cache: a backend that completed the copy
+        # inside post (NIXL and UCX over cma, loopback in one process) is seen DONE at
+        # once, instead of by a first status() that pays for evicted caches.
+        self._poll_one(t, time.monotonic())
         return t
 
     def _prepare(self, op: Op, peer: Peer, local: Segments, remote: Segments,

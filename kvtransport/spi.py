@@ -113,7 +113,7 @@ class RemoteRegion:
     blob: bytes
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)
 class PostRequest:
     """One validated, merged batch of segments to move in one direction.
 
@@ -121,6 +121,10 @@ class PostRequest:
     read-only. Addresses are absolute (``region.addr + offset``); offsets are
     relative to the region start, for backends (like mori) that address by
     region + offset. ``length`` entries are > 0.
+
+    A backend must not change it. It is not a frozen dataclass because one is built per
+    post, and a frozen one's ``__init__`` costs twice a slotted one's (measured 7 vs 3 µs
+    right after a 16 MiB copy has evicted the caches).
     """
 
     op: Op

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -133,6 +134,7 @@ class NixlBackend(Backend):
         self._poster: Poster | None = None
         self._reuse = RequestCache()
         self._stuck: set[Xfer] = set()  # released by the core while NIXL still runs them
+        self._xfer_lock = threading.Lock()  # every Xfer's stage (short sections, never nested)
         self._live: weakref.WeakSet[Xfer] = weakref.WeakSet()  # every unreleased request (close)
         self._foreign = 0
         self._closed = False
@@ -309,7 +311,7 @@ class NixlBackend(Backend):
             except Exception as exc:
                 raise KVTransportError(nixl_error(exc, f"NIXL refused the transfer to {conn.name!r}")) from None
         nbytes = entry.nbytes if entry is not None else req.nbytes
-        x = Xfer(req.transfer_id, conn, handle, nbytes, notif, entry)
+        x = Xfer(req.transfer_id, conn, handle, nbytes, notif, entry, self._xfer_lock)
         conn.xfers.add(x)
         self._live.add(x)
         if nbytes <= self.opts.inline_post_bytes:
