@@ -98,6 +98,7 @@ class _Target:
             offs, n = arg
             return _sha(self.buf, offs, n)
         self.kv.close()
+        self.raw = None  # NIXL stops a progress thread only in its agent's destructor
         return None
 
 
@@ -209,7 +210,12 @@ class _Bench:
             assert self.call("sha", (ro, n)) == _sha(self.buf, lo, n), "WRITE bytes differ"
 
     def close(self) -> None:
+        """Stop every NIXL agent of this case now: NIXL's progress threads poll without
+        pausing until their agent is destroyed, and left running they took CPU from the
+        benchmarks run after this module in the same session."""
         self.kv.close()
+        self.raw.remove_remote_agent(self.raw_peer)
+        self.raw = None
         try:
             self.conn.send(("exit", None))
         except (OSError, EOFError):

@@ -403,7 +403,11 @@ class NixlBackend(Backend):
     # -- lifetime -------------------------------------------------------------------------
     def close(self) -> None:
         """Wait up to ``close_grace_s`` for in-flight transfers to end; if some never do, the
-        NIXL agent is kept alive (leaked) rather than destroyed under a running copy."""
+        NIXL agent is kept alive (leaked) rather than destroyed under a running copy.
+
+        Otherwise the NIXL agent is dropped here, not when this object is collected: NIXL
+        stops its progress thread only in the agent's destructor, and that thread polls
+        without pausing, so an agent closed but still referenced kept a core busy."""
         if self._closed:
             return
         self._closed = True
@@ -431,6 +435,8 @@ class NixlBackend(Backend):
         self._regs.clear()
         self._by_name.clear()
         self._parting.clear()
+        self._poster = None
+        self._nx = None  # the last reference: NIXL's destructor joins its progress thread
 
     def describe(self) -> dict[str, Any]:
         mod, _ = _probe.load_nixl()

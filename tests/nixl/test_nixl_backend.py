@@ -213,6 +213,29 @@ def test_plugin_params_reach_nixl_and_data_still_moves():
         assert dst.tobytes() == src.tobytes()
 
 
+def _threads() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
+
+
+def test_close_stops_nixls_progress_threads_while_the_agent_is_still_referenced():
+    """NIXL joins its progress thread only in the agent's destructor, and that thread polls
+    without pausing: an agent closed but still referenced (a user's attribute, a fixture)
+    used to keep a core busy until garbage collection."""
+    before = _threads()
+    a, b = kvt.open("nixl", name="nx-close-a"), kvt.open("nixl", name="nx-close-b")
+    src, dst = pattern(5, SIZE), np.zeros(SIZE, np.uint8)
+    ra, rb = a.register(dst), b.register(src)
+    peer = a.connect(b.metadata())
+    assert a.read(peer, ra.whole(), peer.region(rb.id).whole()).wait(60).ok
+    started = _threads() - before
+    assert started, "NIXL started no thread: nothing to check"
+    a.close()
+    b.close()
+    left = started & _threads()
+    assert not left, f"threads of the closed agents still run: {sorted(left)}"
+    assert a.closed and b.closed  # both objects are still referenced here
+
+
 def test_cuda_memory_refused_naming_the_kind_without_a_gpu():
     with kvt.open("nixl", name="nx-kind") as a:
         if "cuda" in a.capabilities.memory_kinds:
