@@ -40,6 +40,7 @@ UCP_API_MINOR = 22
 UCS_OK = 0
 UCS_INPROGRESS = 1
 UCS_ERR_NO_MESSAGE = -2
+UCS_ERR_INVALID_PARAM = -5
 UCS_ERR_UNREACHABLE = -6
 UCS_ERR_BUSY = -15
 UCS_ERR_CANCELED = -16
@@ -364,7 +365,8 @@ class UcxError(RuntimeError):
 
 
 class UcxConfigError(UcxError):
-    """``ucp_config_modify`` refused a setting (unknown name or bad value)."""
+    """UCX refused the settings: ``ucp_config_modify`` (unknown name or bad value), or the
+    transports would not open with them (settings that conflict with each other)."""
 
 
 def check(status: int, what: str) -> None:

@@ -124,10 +124,17 @@ class UcpWorker:
                 self.lanes.append(Lane(i, w, threading.Lock(), -1))
                 U.check(self.ucp.ucp_worker_get_efd(w, byref(efd)), "ucp_worker_get_efd")
                 self.lanes[-1].efd = efd.value
-        except Exception:
+        except Exception as exc:
             for lane in self.lanes:
                 self.ucp.ucp_worker_destroy(lane.worker)
             self.ucp.ucp_cleanup(self.context)
+            if isinstance(exc, U.UcxError) and exc.status == U.UCS_ERR_INVALID_PARAM:
+                # Each setting was accepted alone, but the transports refuse the combination
+                # (e.g. TCP_RX_SEG_SIZE below TCP_TX_SEG_SIZE); UCX logs which one.
+                raise U.UcxConfigError(
+                    "opening UCX's transports with these settings (each was accepted alone; "
+                    "UCX's log line above names the conflict, e.g. TCP_RX_SEG_SIZE must be >= "
+                    f"TCP_TX_SEG_SIZE): {dict(config)}", exc.status) from None
             raise
         self.worker = self.lanes[0].worker
 

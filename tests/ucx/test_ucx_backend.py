@@ -31,6 +31,8 @@ def _need_ucx():
         ({"progress": "sometimes"}, ["progress"]),
         ({"ucx_config": {"not a key": 1}}, ["ucx_config"]),
         ({"ucx_config": {"NO_SUCH_UCX_SETTING": "1"}}, ["NO_SUCH_UCX_SETTING"]),
+        # each accepted alone, refused together when the tcp transport opens
+        ({"tls": "tcp", "ucx_config": {"TCP_TX_SEG_SIZE": "256k"}}, ["TCP_TX_SEG_SIZE", "conflict"]),
         ({"liveness_interval_s": 0}, ["liveness_interval_s"]),
     ],
 )
