@@ -43,6 +43,25 @@ def test_bad_options_are_refused_with_a_message_naming_them(opts, words):
         assert w in str(ei.value)
 
 
+@pytest.mark.parametrize("ucx_config", [{}, {"TCP_RX_SEG_SIZE": "64k"}, {"TCP_TX_SEG_SIZE": "8k"}])
+def test_tcp_segment_tuning_yields_to_a_users_setting_of_either_size(ucx_config):
+    """Our 1 MiB tcp segments are dropped as a pair when the user sets one size (UCX refuses
+    RX < TX): a user's 64 KiB RX alone must not meet our 1 MiB TX."""
+    n = 3 << 20  # above lane_split_bytes: both lanes carry a share
+    src = np.frombuffer(np.random.default_rng(7).bytes(n), np.uint8).copy()
+    dst = np.zeros(n, np.uint8)
+    with kvt.open("ucx", name="seg-a", tls="tcp", ucx_config=ucx_config) as a, \
+            kvt.open("ucx", name="seg-b", tls="tcp", ucx_config=ucx_config) as b:
+        ra, rb = a.register(dst), b.register(src)
+        peer = a.connect(b.metadata())
+        assert a.read(peer, ra.whole(), peer.region(rb.id).whole()).wait(60).ok
+        assert dst.tobytes() == src.tobytes()
+        out = np.frombuffer(np.random.default_rng(8).bytes(n), np.uint8).copy()
+        dst[:] = out  # now WRITE a's new bytes over b's buffer
+        assert a.write(peer, ra.whole(), peer.region(rb.id).whole()).wait(60).ok
+        assert src.tobytes() == out.tobytes()
+
+
 def test_describe_reports_transport_and_library():
     with kvt.open("ucx", name="d", tls="shm") as a:
         d = a.describe()
