@@ -61,16 +61,16 @@ class Xfer:
                  "__weakref__")
 
     def __init__(self, tid: int, conn: Any, handle: Any, nbytes: int, notif: bytes = b"",
-                 entry: Any = None, lock: threading.Lock | None = None) -> None:
+                 entry: Any = None, *, lock: threading.Lock) -> None:
         self.tid = tid
         self.conn = conn
         self.handle = handle  # nixl_xfer_handle; None once released
         self.nbytes = nbytes
         self.stage = Stage.QUEUED
         self.reason = ""
-        #: guards ``stage``; the backend passes its one lock for all its requests (a new
-        #: lock per post costs ~10 µs right after a copy has evicted the caches)
-        self.lock = lock if lock is not None else threading.Lock()
+        #: guards ``stage``: the backend's one lock for all its requests (a new lock per
+        #: post costs ~10 µs right after a copy has evicted the caches)
+        self.lock = lock
         self.notif = notif  # NIXL message posted with it (b"": none)
         self.entry = entry  # _reuse.Entry the request goes back to when DONE, or None
 

@@ -311,7 +311,7 @@ class NixlBackend(Backend):
             except Exception as exc:
                 raise KVTransportError(nixl_error(exc, f"NIXL refused the transfer to {conn.name!r}")) from None
         nbytes = entry.nbytes if entry is not None else req.nbytes
-        x = Xfer(req.transfer_id, conn, handle, nbytes, notif, entry, self._xfer_lock)
+        x = Xfer(req.transfer_id, conn, handle, nbytes, notif, entry, lock=self._xfer_lock)
         conn.xfers.add(x)
         self._live.add(x)
         if nbytes <= self.opts.inline_post_bytes:
