@@ -356,3 +356,59 @@ def test_old_format_request_refused_with_a_clear_message(server):
     assert isinstance(r, Error) and r.code == "auth"
     assert "KVTA1" in r.message and "same kvtransport version" in r.message and "secret" not in r.message
     assert not seen and srv.counters["auth"] == 1
+
+
+def test_requests_queued_for_a_silent_peer_are_dropped_not_delivered_to_its_restart():
+    """ZMQ queues requests to a peer that is down and would deliver them all once it is
+    back: a restarted producer would get its predecessor's requests (refused as stale, with
+    a misleading "check clocks" warning). A client whose peer stayed silent replaces its
+    socket before the next send, so only that send reaches the new server."""
+    port = free_port_base(1)
+    seen = []
+
+    def handler(msg):
+        seen.append(msg)
+        return Reply(status={k: "ok" for k in msg.keys})
+
+    c = SideChannelClient("127.0.0.1", port, auth=_auth(), reconnect_after_s=0.2)
+    srv = None
+    try:
+        for i in range(5):  # nobody listens: these wait in the socket's queue
+            c.send(Renew(keys=[f"old{i}"]))
+        assert c.reconnects == 0
+        time.sleep(0.3)  # the peer stays silent past the limit
+        cid = c.send(Renew(keys=["new"]))  # replaces the socket first, then queues this one
+        assert c.reconnects == 1
+        srv = SideChannelServer("127.0.0.1", port, handler, auth=_auth(), max_message_bytes=4096)
+        r = None
+        end = time.monotonic() + 5
+        while r is None and time.monotonic() < end:
+            r = next((m for m in c.poll() if m.cid == cid), None)
+            time.sleep(0.002)
+        assert isinstance(r, Reply) and r.status == {"new": "ok"}
+        assert [m.keys for m in seen] == [["new"]], "a request queued for the silent peer reached its restart"
+        assert srv.counters["auth"] == 0
+    finally:
+        c.close()
+        if srv is not None:
+            srv.close()
+
+
+def test_a_peer_that_answers_is_never_reconnected(server):
+    """Silence is measured from the first unanswered request: a peer that answers (even if
+    its answer is not polled yet) keeps its connection however long the client is idle."""
+    port, srv, seen = server
+    c = SideChannelClient("127.0.0.1", port, auth=_auth(), reconnect_after_s=0.1)
+    try:
+        assert isinstance(_roundtrip(c, Renew(keys=["a"])), Reply)
+        time.sleep(0.2)  # idle past the limit, nothing waiting: no reconnect
+        c.send(Renew(keys=["b"]))
+        end = time.monotonic() + 5
+        while srv.counters["served"] < 2 and time.monotonic() < end:
+            time.sleep(0.002)
+        time.sleep(0.15)  # its answer waits unread past the limit
+        assert isinstance(_roundtrip(c, Renew(keys=["c"])), Reply)
+        assert c.reconnects == 0 and [m.keys for m in seen] == [["a"], ["b"], ["c"]]
+        assert c.counters["auth"] == 0
+    finally:
+        c.close()

@@ -213,11 +213,27 @@ class SideChannelClient:
 
     _cids = itertools.count(1)
 
+    #: A peer that has sent nothing back for this long while our requests wait is taken as
+    #: unreachable: before the next send the socket is replaced, which drops what ZMQ
+    #: queued for it. A DEALER queues requests to a peer that is down and delivers them all
+    #: when it comes back; a restarted producer would get a burst of requests meant for its
+    #: previous incarnation (refused as stale, with a misleading "check clocks" warning).
+    #: Every request of the connector is re-sent while it is still wanted, so only copies
+    #: nobody waits for are dropped.
+    RECONNECT_AFTER_S = 5.0
+
     def __init__(self, host: str, port: int, *, auth: Authenticator | None,
-                 max_message_bytes: int = 16 * 1024 * 1024, max_pending: int = 8192):
+                 max_message_bytes: int = 16 * 1024 * 1024, max_pending: int = 8192,
+                 reconnect_after_s: float | None = None):
         """``auth`` is required: pass None only when authentication is explicitly off."""
         self.host, self.port = host, port
         self._auth = auth
+        self._max_message_bytes = int(max_message_bytes)
+        self._reconnect_after_s = self.RECONNECT_AFTER_S if reconnect_after_s is None else float(reconnect_after_s)
+        #: since when requests have been waiting with no frame from the peer (None: not waiting)
+        self._silent_since: float | None = None
+        #: how often the socket was replaced because the peer stayed silent
+        self.reconnects = 0
         #: replies dropped: not authentic (forged, replayed, bound to no outstanding request
         #: of ours, or the peer refused us), undecodable; ``misbound`` (also counted in
         #: ``auth``): sealed replies that answer no request of ours still waiting for one
@@ -225,16 +241,41 @@ class SideChannelClient:
         self._pending: OrderedDict[bytes, int | None] = OrderedDict()  # request nonce -> cid
         self._max_pending = max(1, int(max_pending))
         self._pending_lock = threading.Lock()
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, int(max_message_bytes))
-        self._sock.setsockopt(zmq.SNDHWM, 10000)
-        if ":" in host:
-            self._sock.setsockopt(zmq.IPV6, 1)
-        self._sock.connect(_endpoint(host, port))
+        self._sock = self._open_socket()
+
+    def _open_socket(self) -> zmq.Socket:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
+        sock.setsockopt(zmq.SNDHWM, 10000)
+        if ":" in self.host:
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(_endpoint(self.host, self.port))
+        return sock
+
+    def _reconnect_if_silent(self, now: float) -> None:
+        """Replace the socket when the peer has answered nothing for ``reconnect_after_s``
+        while requests waited (see :attr:`RECONNECT_AFTER_S`). Replies to the dropped
+        requests can no longer arrive, so their nonces are forgotten too."""
+        if self._silent_since is None:
+            self._silent_since = now
+            return
+        if now - self._silent_since <= self._reconnect_after_s:
+            return
+        if self._sock.get(zmq.EVENTS) & zmq.POLLIN:
+            return  # an answer waits, not yet polled: the peer is there
+        self._sock.close(0)
+        self._sock = self._open_socket()
+        with self._pending_lock:
+            self._pending.clear()
+        self.reconnects += 1
+        self._silent_since = now
+        log.info("side channel to %s:%s: no answer for %.1fs, reconnected (queued requests dropped; "
+                 "wanted ones are re-sent)", self.host, self.port, self._reconnect_after_s)
 
     def send(self, msg: Msg) -> int:
         msg.cid = next(self._cids)
+        self._reconnect_if_silent(time.monotonic())  # before sealing: a reconnect forgets nonces
         self._transmit(encode(msg))
         return msg.cid
 
@@ -279,6 +320,7 @@ class SideChannelClient:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return out
+            self._silent_since = None  # the peer is there
             body = frames[-1]
             if self._auth is not None:
                 try:
