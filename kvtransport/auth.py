@@ -46,7 +46,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF, HKDFExpand
 
 from .errors import KVTransportError
 
-__all__ = ["AuthError", "AuthVersionError", "AuthConfigError", "Authenticator", "load_secret", "AUTH_OFF",
+__all__ = ["AuthError", "AuthVersionError", "StaleMessageError", "AuthConfigError", "Authenticator", "load_secret", "AUTH_OFF",
            "MAGIC", "HEADER_BYTES", "TAG_BYTES", "OVERHEAD_BYTES"]
 
 #: b"KVTA" and the framing version (one ASCII digit)
@@ -71,6 +71,11 @@ class AuthError(KVTransportError):
 
 class AuthVersionError(AuthError):
     """The message is sealed with another version of the kvtransport framing."""
+
+
+class StaleMessageError(AuthError):
+    """An authentic message outside the time window: clocks apart, a replay, or a message
+    that waited in a queue while its receiver was down."""
 
 
 class AuthConfigError(KVTransportError, ValueError):
@@ -197,7 +202,9 @@ class Authenticator:
                             "message was altered on the way") from None
         now = int(time.time() * 1000)
         if abs(now - ts) > self.max_skew_ms:
-            raise AuthError(f"stale message ({(now - ts) / 1000:.1f}s off); check clocks or replay")
+            raise StaleMessageError(f"stale message ({(now - ts) / 1000:.1f}s off): the hosts' clocks disagree, "
+                                    "it was replayed, or it waited in a queue while its receiver was down "
+                                    "(then harmless)")
         with self._lock:
             if nonce in self._seen:
                 raise AuthError("replayed message (nonce already seen)")

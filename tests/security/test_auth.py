@@ -13,7 +13,8 @@ import time
 import pytest
 
 from kvtransport.auth import (
-    HEADER_BYTES, MAGIC, OVERHEAD_BYTES, AuthConfigError, AuthError, Authenticator, AuthVersionError, load_secret,
+    HEADER_BYTES, MAGIC, OVERHEAD_BYTES, AuthConfigError, AuthError, Authenticator, AuthVersionError,
+    StaleMessageError, load_secret,
 )
 
 SECRET = b"s3cret-cluster-key-0123456789"
@@ -81,7 +82,7 @@ def test_stale_message_refused(monkeypatch):
     frame = a.seal(b"old")
     real = time.time
     monkeypatch.setattr(time, "time", lambda: real() + 5)
-    with pytest.raises(AuthError, match="stale"):
+    with pytest.raises(StaleMessageError, match="stale"):  # an AuthError, told apart for its hint
         b.open(frame)
 
 

@@ -16,7 +16,10 @@ from hypothesis import strategies as st
 import kvtransport as kvt
 from kvtransport import errors
 
-REFUSALS = (errors.PeerMetadataError, errors.IncompatiblePeerError)
+#: What ``connect`` may raise for bad metadata. A flipped bit can turn a region's memory kind
+#: into an unknown one ("cpu" -> "bpu"): that is refused as the documented
+#: UnsupportedMemoryKindError, which names the kind and the backends that accept it.
+REFUSALS = (errors.PeerMetadataError, errors.IncompatiblePeerError, errors.UnsupportedMemoryKindError)
 
 
 @pytest.fixture(scope="module")

@@ -361,7 +361,7 @@ def test_old_format_request_refused_with_a_clear_message(server):
 def test_requests_queued_for_a_silent_peer_are_dropped_not_delivered_to_its_restart():
     """ZMQ queues requests to a peer that is down and would deliver them all once it is
     back: a restarted producer would get its predecessor's requests (refused as stale, with
-    a misleading "check clocks" warning). A client whose peer stayed silent replaces its
+    a warning each). A client whose peer stayed silent replaces its
     socket before the next send, so only that send reaches the new server."""
     port = free_port_base(1)
     seen = []
@@ -412,3 +412,17 @@ def test_a_peer_that_answers_is_never_reconnected(server):
         assert c.counters["auth"] == 0
     finally:
         c.close()
+
+
+def test_a_stale_request_is_refused_without_blaming_the_secret(server, monkeypatch):
+    """A request sealed with the right secret long ago (queued while this engine was down)
+    is refused as stale; the hint names that, not a secret mismatch."""
+    port, srv, seen = server
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() - 40)
+    frame = _auth().seal(encode(Renew(keys=["late"])), "req")
+    monkeypatch.setattr(time, "time", real)
+    reply = decode(_raw(port, frame))
+    assert isinstance(reply, Error) and reply.code == "auth" and not seen
+    assert "stale message" in reply.message and "waited in a queue" in reply.message
+    assert "KVTRANSPORT_SECRET" not in reply.message

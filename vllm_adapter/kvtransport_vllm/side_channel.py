@@ -37,7 +37,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from kvtransport.auth import AuthError, Authenticator, AuthVersionError
+from kvtransport.auth import AuthError, Authenticator, AuthVersionError, StaleMessageError
 
 from .messages import PROTOCOL_VERSION, Error, Msg, decode, encode, peek_version
 
@@ -159,7 +159,7 @@ class SideChannelServer:
             try:
                 body = self._auth.open(payload, "req")
                 nonce = Authenticator.nonce_of(payload)
-            except AuthVersionError as exc:
+            except (AuthVersionError, StaleMessageError) as exc:  # the secret is not the problem
                 return self._refuse("auth", f"side-channel request not authenticated: {exc}")
             except AuthError as exc:
                 return self._refuse("auth", f"side-channel request not authenticated ({exc}); set the same "
@@ -217,7 +217,7 @@ class SideChannelClient:
     #: unreachable: before the next send the socket is replaced, which drops what ZMQ
     #: queued for it. A DEALER queues requests to a peer that is down and delivers them all
     #: when it comes back; a restarted producer would get a burst of requests meant for its
-    #: previous incarnation (refused as stale, with a misleading "check clocks" warning).
+    #: previous incarnation (each refused as stale, with a warning).
     #: Every request of the connector is re-sent while it is still wanted, so only copies
     #: nobody waits for are dropped.
     RECONNECT_AFTER_S = 5.0
