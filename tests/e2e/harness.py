@@ -15,7 +15,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ from typing import Any
 
 import httpx
 
+from kvtransport.testing.ports import free_port_range
+
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 BLOCK_SIZE = 32
@@ -32,10 +33,10 @@ MAX_MODEL_LEN = 1024
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free right now, below the kernel's ephemeral range (see
+    :mod:`kvtransport.testing.ports`: a port from ``bind(0)`` can be taken by another socket
+    before the server that was meant to have it starts)."""
+    return free_port_range(1)
 
 
 def free_side_channel_base(n: int) -> int:
@@ -44,20 +45,7 @@ def free_side_channel_base(n: int) -> int:
     internal ports (a TP=2 engine several) by binding port 0, i.e. from that range, and one
     of them took a side-channel port chosen there before the engines started (seen:
     "Address already in use" at start-up)."""
-    import random
-
-    rng_file = Path("/proc/sys/net/ipv4/ip_local_port_range")
-    low = int(rng_file.read_text().split()[0]) if rng_file.exists() else 32768
-    for _ in range(100):
-        base = random.randrange(max(1024, low - 12000), low - n)
-        try:
-            for port in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("", port))  # every interface: workers with no host listen on all
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free port range below the ephemeral range")
+    return free_port_range(n)
 
 
 def base_env(cpu: int | None) -> dict[str, str]:

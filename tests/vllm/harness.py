@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -49,6 +48,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
+from kvtransport.testing.ports import free_port_range  # noqa: E402
 from kvtransport_vllm.plugin import register  # noqa: E402
 
 NUM_LAYERS = 2
@@ -79,25 +79,10 @@ def tiny_model_dir() -> str:
 
 
 def free_port_base(n: int = 4) -> int:
-    """A base port with ``n`` consecutive free ports (side channel: base + tp_rank)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    # every interface: a worker with no host configured listens on all of them
-                    s.bind(("", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free port range")
+    """A base port with ``n`` consecutive free ports (side channel: base + tp_rank), below the
+    kernel's ephemeral range, so no connection opened meanwhile can take one of them
+    (:mod:`kvtransport.testing.ports`)."""
+    return free_port_range(n)
 
 
 def make_vllm_config(kv_role: str, extra: dict[str, Any], block_size: int = 16, engine_id: str | None = None,
