@@ -43,6 +43,8 @@ import httpx
 import openai
 import pytest
 
+from kvtransport_vllm.load_stats import Cause
+
 from . import prompts
 from .conftest import BASELINE_SEEDS, LEASE_S, TRANSFER_TIMEOUT_S
 from .harness import BLOCK_SIZE, VllmServer, proxy_process, side_channel_port
@@ -369,8 +371,7 @@ def test_prefill_restarted_pair_serves_again(pair, baseline, vocab_size):
     """A prefill engine restarted on the same address is used again by the decode engine."""
     pair.ensure_prefill()
     p = prompts.restart_prompts(vocab_size, _seed(pair))[0]
-    causes = ("ok", "transport_failure", "timeout", "lease_expired", "stale_read_refused", "peer_gone",
-              "peer_aborted", "handshake_refused", "params_refused")
+    causes = [c.value for c in Cause]
 
     def snapshot() -> dict[str, float]:
         ext, loc = _prompt_tokens(pair.decode)
@@ -515,7 +516,6 @@ def _router_flow_read_refused(pair, proxy, baseline, vocab_size) -> None:
         statuses.append(r.status_code)
         if r.status_code == 200:
             served.append(q)
-        if r.status_code == 200:
             assert r.json()["choices"][0]["token_ids"] == baseline[tuple(q)]  # recomputed
             continue
         assert r.status_code == 502, r.text

@@ -218,8 +218,9 @@ class SideChannelClient:
     #: queued for it. A DEALER queues requests to a peer that is down and delivers them all
     #: when it comes back; a restarted producer would get a burst of requests meant for its
     #: previous incarnation (each refused as stale, with a warning).
-    #: Every request of the connector is re-sent while it is still wanted, so only copies
-    #: nobody waits for are dropped.
+    #: The connector re-sends every request it still waits on (hand-shake, confirmation,
+    #: cancel, write request, renewal); a dropped release leaves the blocks to the
+    #: producer's lease.
     RECONNECT_AFTER_S = 5.0
 
     def __init__(self, host: str, port: int, *, auth: Authenticator | None,
