@@ -332,7 +332,9 @@ async def one_request(client: httpx.AsyncClient, setup: Setup, prompt: list[int]
 async def run_workload(setup: Setup, wl: Workload) -> tuple[list[Sample], float]:
     """Every prompt of ``wl`` at its concurrency; a request that fails is left out of the
     samples and recorded in ``setup.errors`` (the table shows how many)."""
-    limits = httpx.Limits(max_connections=wl.concurrency * 2 + 4)
+    # idle connections dropped well before vLLM's servers close them (5 s), as in
+    # examples/disagg_proxy.py (UPSTREAM_KEEPALIVE_S)
+    limits = httpx.Limits(max_connections=wl.concurrency * 2 + 4, keepalive_expiry=1.0)
     async with httpx.AsyncClient(timeout=180, limits=limits) as client:
         sem = asyncio.Semaphore(wl.concurrency)
 

@@ -40,7 +40,8 @@ engine ("aborted") or by its ``transfer_timeout_s``, and its
 through).  READ mode cannot work this way (the decode engine needs the
 prefill's block ids, which exist only once the prefill has answered): when a
 prefill answer says ``kvtransport_mode: read`` the proxy refuses that request if
-it can still (502) and every later one, with a message saying so.  The
+it can still (502) and every later one, with a message saying so, and its
+``/health`` answers 503 with that message.  The
 side-channel addresses are given per engine, in the order of the URLs::
 
     python examples/disagg_proxy.py --port 8000 --flow router \
@@ -191,6 +192,13 @@ def _error(status: int, message: str, kind: str = "proxy_error") -> web.Response
     return resp
 
 
+#: How long an idle connection to an engine is kept for reuse. vLLM's servers close one after
+#: ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` (5 s by default); a client that keeps it as long or longer
+#: can send a request on a connection the server is closing at that moment, and the request
+#: fails with "server disconnected" although both ends are healthy. Well under 5 s, the
+#: server never closes a connection the proxy may still pick.
+UPSTREAM_KEEPALIVE_S = 2.0
+
 READ_MODE_REFUSAL = (
     "the prefill engine runs KVTransportConnector in READ mode (its kv_transfer_params say "
     "kvtransport_mode: read); --flow router needs WRITE mode on both engines (mode: write): "
@@ -216,7 +224,7 @@ class DisaggProxy:
         # No total timeout on the session: each hop sets its own.
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None),
-            connector=aiohttp.TCPConnector(limit=0),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
         )
 
     async def _cleanup(self, app: web.Application) -> None:
@@ -238,8 +246,11 @@ class DisaggProxy:
 
     # -- handlers --------------------------------------------------------------
     async def handle_health(self, request: web.Request) -> web.Response:
-        """200 only if every backend server answers its own /health."""
+        """200 only if every backend server answers its own /health; 503 too once the
+        router flow found a READ-mode prefill engine (every request is refused then)."""
         assert self._session is not None
+        if self.router_refusal:
+            return _error(503, self.router_refusal, "router_flow_needs_write_mode")
         bad = []
         for url in self.config.prefill_urls + self.config.decode_urls:
             try:

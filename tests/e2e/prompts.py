@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import zlib
 
+import httpx
 import openai
 
 from .harness import BLOCK_SIZE
@@ -92,13 +93,22 @@ def all_prompts(vocab: int, seeds: list[int]) -> list[tuple[list[int], int]]:
     return out
 
 
+#: Connection limits of every test client. vLLM's servers close a connection idle for
+#: ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` (5 s); httpx and openai keep idle ones for 5 s too, so a
+#: request sent on one just as the server closes it fails with "Server disconnected without
+#: sending a response" (seen in CI between two hops more than 5 s apart). Clients here drop
+#: idle connections after 1 s instead.
+LIMITS = httpx.Limits(max_connections=1000, max_keepalive_connections=100, keepalive_expiry=1.0)
+
+
 def client(base_url: str, timeout: float = 60.0) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", timeout=timeout, max_retries=0)
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", timeout=timeout, max_retries=0,
+                         http_client=openai.DefaultHttpxClient(limits=LIMITS))
 
 
 def async_client(base_url: str, timeout: float = 90.0) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", timeout=timeout,
-                              max_retries=0)
+                              max_retries=0, http_client=openai.DefaultAsyncHttpxClient(limits=LIMITS))
 
 
 GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True})

@@ -505,32 +505,39 @@ def _router_flow_read_refused(pair, proxy, baseline, vocab_size) -> None:
             "model": "tiny", "prompt": p, "max_tokens": prompts.MAX_TOKENS, "temperature": 0.0,
             "ignore_eos": True, "return_token_ids": True})
 
-    # Both engines get the first request. The decode engine refuses the params (no block ids)
-    # and recomputes; the proxy passes that answer through, or -- when the prefill's answer,
-    # saying READ mode, came first -- refuses it. From then on it refuses every request,
-    # contacting neither engine: a few requests at most show it.
-    p = prompts.router_prompts(vocab_size, seed)[3]  # several blocks
-    statuses, served = [], []
-    for i, q in enumerate([p] + prompts.router_prompts(vocab_size, seed)[:3]):
-        r = ask(q)
-        statuses.append(r.status_code)
-        if r.status_code == 200:
-            served.append(q)
-            assert r.json()["choices"][0]["token_ids"] == baseline[tuple(q)]  # recomputed
-            continue
-        assert r.status_code == 502, r.text
+    def assert_refusal(r: httpx.Response) -> None:
+        assert r.status_code in (502, 503), r.text
         err = r.json()["error"]
         assert err["type"] == "router_flow_needs_write_mode" and "READ mode" in err["message"], err
-        if i > 0:
-            break
-    assert statuses[-1] == 502, f"proxy never refused the router flow on a READ pair: {statuses}"
-    # Every request the engines got (each answered 200, the first, and perhaps the one refused
-    # in flight) is a released hold on the prefill engine, and -- if its prompt fills a block
-    # (a shorter one loads nothing, so there is no load to refuse) -- a refused load on the
-    # decode engine. Which requests get through depends on whose answer reaches the proxy first.
-    least = max(1, len(served))
-    loads = max(1, sum(1 for q in served if len(q) >= BLOCK_SIZE))
+
+    # Both engines get the first request. The decode engine refuses the params (no block ids)
+    # and recomputes; the proxy passes that answer through (right tokens) or -- when the
+    # prefill's answer, saying READ mode, came first -- refuses it. Whichever came first, the
+    # proxy learns the mode from the prefill's answer: its /health says so (503), and from
+    # then on it refuses every request without contacting either engine.
+    p = prompts.router_prompts(vocab_size, seed)[3]  # several blocks
+    r = ask(p)
+    if r.status_code == 200:
+        assert r.json()["choices"][0]["token_ids"] == baseline[tuple(p)]  # recomputed
+    else:
+        assert_refusal(r)
+    deadline = time.monotonic() + 90  # the prefill hop's timeout is 60 s
+    while (health := httpx.get(proxy.url + "/health", timeout=30)).status_code == 200:
+        assert time.monotonic() < deadline, "the proxy never learned the prefill engine runs READ mode"
+        time.sleep(0.2)
+    assert_refusal(health)
+
+    wait_idle(pair.decode)
+    wait_idle(pair.prefill)
+    before = _prompt_tokens(pair.decode), _prompt_tokens(pair.prefill)
+    r = ask(prompts.router_prompts(vocab_size, seed)[2])
+    assert r.status_code == 502, f"the proxy passed a router-flow request to a READ pair: {r.status_code}"
+    assert_refusal(r)
+    assert (_prompt_tokens(pair.decode), _prompt_tokens(pair.prefill)) == before  # neither engine asked
+
+    # The one request the engines got is a released hold on the prefill engine and a refused
+    # load on the decode engine (the prompt fills several blocks).
     wait_for_count("decode loads refused", lambda: _outcomes(pair.decode, "load", "params_refused"),
-                   refused0 + loads)
+                   refused0 + 1)
     wait_for_count("prefill holds released", lambda: _outcomes(pair.prefill, "hold", "released"),
-                   released0 + least)
+                   released0 + 1)

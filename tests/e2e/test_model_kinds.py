@@ -105,7 +105,7 @@ def _nixl_connector_tokens(model: Path, name: str, log_dir: Path, ps: list[list[
         harness.start_all(servers)
         pre, dec = servers
         ref = {}
-        with httpx.Client(timeout=120) as c:
+        with httpx.Client(timeout=120, limits=prompts.LIMITS) as c:
             for p in ps:
                 body = {"model": "tiny", "prompt": p, "max_tokens": 1, "temperature": 0.0,
                         "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}

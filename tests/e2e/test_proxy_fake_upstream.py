@@ -35,6 +35,8 @@ class FakeEngine:
         self.role, self.kv_params, self.status = role, kv_params, status
         self.bodies: list[dict] = []
         self.headers: list[dict] = []
+        #: (host, port) the proxy connected from, per request: a new port is a new connection
+        self.peers: list[tuple] = []
         #: set when a request has arrived (router flow: the other hop may wait for it)
         self.arrived = asyncio.Event()
         #: awaited before answering (router flow: answer only once the other hop arrived)
@@ -44,6 +46,7 @@ class FakeEngine:
         body = await request.json()
         self.bodies.append(body)
         self.headers.append({k.lower(): v for k, v in request.headers.items()})
+        self.peers.append(request.transport.get_extra_info("peername"))
         self.arrived.set()
         if self.wait_for is not None:
             await self.wait_for.wait()
@@ -128,6 +131,29 @@ def test_fake_upstream_two_hops_carry_kv_transfer_params():
     assert d["max_tokens"] == 9 and d["kv_transfer_params"] == KV
     # Both hops share one request id, so the two engines' logs can be joined.
     assert pre.headers[0]["x-request-id"] == dec.headers[0]["x-request-id"]
+
+
+def test_fake_upstream_idle_engine_connections_dropped_before_vllm_closes_them():
+    """vLLM closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s); a proxy that
+    reused one that long could send a request just as the server closes it ("server
+    disconnected", seen in CI with 5 s clients). The proxy reuses a connection only while it
+    is fresh: two requests close together share one, two further apart than
+    UPSTREAM_KEEPALIVE_S do not."""
+    from vllm import envs
+
+    keep = disagg_proxy.UPSTREAM_KEEPALIVE_S
+    assert keep < envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE - 1, (keep, envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
+    pre, dec = FakeEngine("prefill"), FakeEngine("decode")
+
+    async def scenario(s, url):
+        for pause in (0.0, keep + 0.5, 0.0):
+            await asyncio.sleep(pause)
+            async with s.post(url + "/v1/completions", json={"model": "m", "prompt": "x"}) as r:
+                assert r.status == 200, await r.text()
+
+    run_with(pre, dec, scenario)
+    assert pre.peers[0] != pre.peers[1] and pre.peers[1] == pre.peers[2], pre.peers
+    assert dec.peers[0] != dec.peers[1] and dec.peers[1] == dec.peers[2], dec.peers
 
 
 def test_fake_upstream_chat_and_streaming_pass_through():
@@ -304,14 +330,21 @@ def test_fake_upstream_router_flow_refuses_a_read_mode_prefill():
     dec = FakeEngine("decode")
 
     async def scenario(s, url, proxy):
+        async with s.get(url + "/health") as r:
+            healthy = r.status
         async with s.post(url + "/v1/completions", json={"model": "m", "prompt": "x"}) as r:
             first = r.status
         await proxy.drain()
+        async with s.get(url + "/health") as r:
+            health = r.status, await r.json()
         async with s.post(url + "/v1/completions", json={"model": "m", "prompt": "x"}) as r:
-            return first, r.status, await r.json()
+            return healthy, first, health, r.status, await r.json()
 
-    first, status, body = run_with(pre, dec, scenario, **ROUTER)
+    healthy, first, health, status, body = run_with(pre, dec, scenario, **ROUTER)
     assert first in (200, 502)  # 502 when the prefill's answer came before the decode's
+    # a load balancer sees a proxy that refuses every request as unhealthy, and why
+    assert healthy == 200 and health[0] == 503, (healthy, health)
+    assert health[1]["error"]["type"] == "router_flow_needs_write_mode"
     assert status == 502 and body["error"]["type"] == "router_flow_needs_write_mode"
     assert "READ mode" in body["error"]["message"] and "mode write" in body["error"]["message"]
     assert len(pre.bodies) == len(dec.bodies) == 1  # the refused request reached no engine
