@@ -8,6 +8,8 @@ One command (after ``./scripts/dev.sh test`` has built the venv)::
 It starts every setup at once (prefill engines confined to CPU 0, decode engines to CPU 1):
 
 * ``single``     one engine, no disaggregation (the reference for tokens and time);
+* ``single-pinned``  the same engine with its whole process tree confined to CPU 0, as each PD
+  engine is to its core (only when asked for: the like-for-like reference per engine);
 * ``kvt-read``   KVTransportConnector, loopback backend, READ (decode pulls);
 * ``kvt-write``  KVTransportConnector, loopback backend, WRITE (prefill pushes);
 * ``kvt-write-router``  the same WRITE pair driven by the **router flow** (parallel dispatch):
@@ -48,6 +50,8 @@ files synchronously): asking for ``kvt-read-router`` or ``kvt-ucx-router`` is re
 
 Engines: tiny Llama (tests/e2e/tiny_model.py), block 32, float32, prefill pinned to CPU 0 and
 decode to CPU 1 (``VLLM_CPU_OMP_THREADS_BIND``); the single engine runs on CPU 0.
+``--model kv-heavy`` gives it 16 layers and 16 KV heads: 128 KiB of KV per token (Llama-3-8B's
+size in bf16) against the default's 2 KiB, for a little more compute.
 No timing is asserted anywhere: this prints numbers; the issue's targets are read from them.
 """
 
@@ -75,9 +79,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests.e2e import harness  # noqa: E402  (the e2e tests' process harness, reused)
-from tests.e2e.tiny_model import build_tiny_model  # noqa: E402
+from tests.e2e.tiny_model import build_tiny_model, kv_bytes_per_token  # noqa: E402
 
 OUTPUT_TOKENS = 16
+#: ``--model``: the tiny Llama's shape. "tiny" (2 layers, 2 KV heads: 2 KiB of KV per token)
+#: is what the e2e tests run; "kv-heavy" (16 layers, 16 KV heads: 128 KiB per token, what
+#: Llama-3-8B's KV takes in bf16) keeps the compute small but moves KV of a real model's size,
+#: so the transfer (and ExampleConnector's files) weigh what they would in production.
+MODELS = {"tiny": dict(num_layers=2, num_heads=2), "kv-heavy": dict(num_layers=16, num_heads=16)}
 #: Prompt lengths of the sequential workload (the issue's 13 prompts of 3-207 tokens).
 SEQ_LENGTHS = [3, 9, 17, 31, 32, 33, 48, 64, 95, 120, 150, 180, 207]
 CONCURRENCY = (8, 32)
@@ -155,6 +164,12 @@ def make_setup(name: str, model: Path, log_dir: Path) -> Setup:
     env = {"KVTRANSPORT_SECRET": secrets.token_hex(16)}
     if name == "single":
         return Setup(name, None, harness.vllm_server("single", model, log_dir, cpu=0), False)
+    if name == "single-pinned":
+        # The single engine confined to one core as each PD engine is (--pin engine): its API
+        # server and EngineCore share CPU 0 with its worker instead of using the idle CPU 1.
+        server = harness.vllm_server(name, model, log_dir, cpu=0)
+        server.cmd = ["taskset", "-c", "0"] + server.cmd
+        return Setup(name, None, server, False)
     if name.startswith("kvt-"):
         # "-sleep": vLLM's wait loops yield with time.sleep(0) (vllm_spin_yield: sleep), to compare
         base, spin = (name[: -len("-sleep")], "sleep") if name.endswith("-sleep") else (name, None)
@@ -396,6 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", type=Path, help="write a PNG plot (needs matplotlib: the 'plot' extra)")
     ap.add_argument("--json", type=Path, help="write the summary as JSON")
     ap.add_argument("--log-dir", type=Path, default=None)
+    ap.add_argument("--model", choices=sorted(MODELS), default="tiny",
+                    help="tiny: 2 KiB of KV per token (the e2e tests' model); kv-heavy: 128 KiB per token "
+                         "(Llama-3-8B's in bf16), little more compute")
     ap.add_argument("--pin", choices=("worker", "engine"), default="engine",
                     help="worker: only each worker's OpenMP threads are pinned (VLLM_CPU_OMP_THREADS_BIND); "
                          "engine: each PD engine's whole process tree is confined to its core")
@@ -409,9 +427,12 @@ def main(argv: list[str] | None = None) -> int:
     wl_names = [w for w in args.workloads.split(",") if w]
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvt-bench-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    model = build_tiny_model(Path(os.environ.get("KVT_BENCH_MODEL_DIR", tempfile.gettempdir())) / "kvt-tiny-llama")
+    shape = MODELS[args.model]
+    model_dir = "kvt-tiny-llama" if args.model == "tiny" else f"kvt-{args.model}-llama"
+    model = build_tiny_model(Path(os.environ.get("KVT_BENCH_MODEL_DIR", tempfile.gettempdir())) / model_dir, **shape)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    print(f"[bench] model {model}; logs {log_dir}")
+    print(f"[bench] model {model} ({args.model}: {shape['num_layers']} layers, {shape['num_heads']} KV heads, "
+          f"{kv_bytes_per_token(**shape) >> 10} KiB of KV per token); logs {log_dir}")
 
     # Fresh prompts for every (round, setup), so no prefix cache holds them from before.
     plan = {(r, name): make_workloads(vocab, 1000 * r + i, wl_names)

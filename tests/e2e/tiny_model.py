@@ -78,7 +78,7 @@ def _build_tokenizer(out: Path) -> None:
     fast.save_pretrained(str(out))
 
 
-def _build_model(out: Path, vocab_size: int) -> None:
+def _build_model(out: Path, vocab_size: int, num_layers: int, num_heads: int) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -86,9 +86,9 @@ def _build_model(out: Path, vocab_size: int) -> None:
         vocab_size=vocab_size,
         hidden_size=HIDDEN_SIZE,
         intermediate_size=2 * HIDDEN_SIZE,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=NUM_HEADS,
-        num_key_value_heads=NUM_HEADS,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
         head_dim=HEAD_DIM,
         max_position_embeddings=MAX_POSITIONS,
         initializer_range=INIT_STD,
@@ -108,19 +108,29 @@ def _build_model(out: Path, vocab_size: int) -> None:
     model.save_pretrained(str(out), safe_serialization=True)
 
 
-def build_tiny_model(out_dir: str | Path) -> Path:
+def kv_bytes_per_token(num_layers: int = NUM_LAYERS, num_heads: int = NUM_HEADS) -> int:
+    """KV-cache bytes one token takes (K and V, every layer, float32)."""
+    return num_layers * 2 * num_heads * HEAD_DIM * 4
+
+
+def build_tiny_model(out_dir: str | Path, *, num_layers: int = NUM_LAYERS, num_heads: int = NUM_HEADS) -> Path:
     """Write a tiny Llama model + tokenizer to ``out_dir`` and return its path.
 
     Deterministic: the same seed gives the same weights and vocabulary, so two
-    engines (or two test sessions) loading it agree bit for bit.
+    engines (or two test sessions) loading it agree bit for bit. ``num_layers`` and
+    ``num_heads`` (KV heads too, head_dim stays 64, hidden stays 128) size the KV cache
+    without adding much compute: 16 and 16 give 128 KiB per token, what Llama-3-8B's
+    KV takes in bf16, against 2 KiB for the default.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
-        return out
+        cfg = json.loads((out / "config.json").read_text())
+        if (cfg.get("num_hidden_layers"), cfg.get("num_attention_heads")) == (num_layers, num_heads):
+            return out
     _build_tokenizer(out)
     vocab = len(json.loads((out / "tokenizer.json").read_text())["model"]["vocab"])
-    _build_model(out, vocab_size=max(vocab, 8))
+    _build_model(out, vocab_size=max(vocab, 8), num_layers=num_layers, num_heads=num_heads)
     return out
 
 
