@@ -20,8 +20,9 @@ It starts every setup at once (prefill engines confined to CPU 0, decode engines
 * ``example``    vLLM's ExampleConnector (KV through files in a temporary directory);
 * ``nixl``       vLLM's NixlConnector with ``kv_buffer_device: cpu`` (when ``nixl`` is installed);
 
-then runs rounds in which every setup, in turn (order rotated each round, with a pause so the
-previous setup's workers stop busy-waiting), gets the same kinds of workload -- distinct prompts
+then runs rounds in which every setup, in turn (order rotated each round; every other setup's
+processes stopped with SIGSTOP meanwhile, since idle engines busy-wait and an idle NixlConnector
+engine spins a core; ``--no-freeze-idle`` keeps them running), gets the same kinds of workload -- distinct prompts
 one at a time, concurrency 8 and 32, and a shared-prefix set (decode finds part of the prompt in
 its own prefix cache) -- with fresh prompts each time. It measures time to first token by
 streaming, end-to-end latency p50 / p90 / p99 and throughput, checks every completion against the
@@ -59,11 +60,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
 import secrets
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -411,6 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", type=Path, help="write a PNG plot (needs matplotlib: the 'plot' extra)")
     ap.add_argument("--json", type=Path, help="write the summary as JSON")
     ap.add_argument("--log-dir", type=Path, default=None)
+    ap.add_argument("--no-freeze-idle", dest="freeze_idle", action="store_false",
+                    help="keep the setups not being timed running (by default they are stopped with SIGSTOP: "
+                         "idle engines busy-wait, and an idle NixlConnector engine spins a core)")
     ap.add_argument("--model", choices=sorted(MODELS), default="tiny",
                     help="tiny: 2 KiB of KV per token (the e2e tests' model); kv-heavy: 128 KiB per token "
                          "(Llama-3-8B's in bf16), little more compute")
@@ -460,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
                     if not st.alive:
                         continue  # an engine of this setup died: its errors say why
                     wl = next(w for w in plan[(r, name)] if w.name == wname)
+                    if args.freeze_idle:
+                        for other in setups.values():
+                            freeze(other, other is not st)
                     time.sleep(SPIN_DOWN_S)  # let the previous setup's workers stop busy-waiting
                     before = phase_metrics(st.decode)
                     got, wall = asyncio.run(run_workload(st, wl))
@@ -473,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench] workload {wname}: {args.rounds} rounds done")
     finally:
         for st in setups.values():
+            freeze(st, False)
             st.stop()
     results = {n: {w: summarise(samples[n][w], walls[n][w],
                                 sum(1 for s in samples[n][w] if s.tokens != reference.get(s.prompt)),
@@ -493,6 +503,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[bench] {bad} completions differ from the single engine's tokens")
     ours_failed = sum(len(st.errors) for n, st in setups.items() if n.startswith("kvt-"))
     return 1 if bad or ours_failed else 0
+
+
+def freeze(setup: Setup, frozen: bool) -> None:
+    """Stop (SIGSTOP) or resume (SIGCONT) every process of a setup's engines.
+
+    Idle engines are not idle on this machine: vLLM's workers busy-wait for a second after each
+    step, and an idle NixlConnector engine's NIXL progress thread spins for good (measured: 1.01
+    CPU-s per s, against 0.02 for a plain engine). Every setup but the one being timed is stopped,
+    so none of them takes a core from it (run E in docs/bench/E2E_LATENCY.md was distorted so)."""
+    import psutil  # a vLLM dependency
+
+    sig = signal.SIGSTOP if frozen else signal.SIGCONT
+    for server in setup.servers:
+        if server.proc is None or server.proc.poll() is not None:
+            continue
+        try:
+            root = psutil.Process(server.proc.pid)
+            procs = [root] + root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            continue
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.send_signal(sig)
 
 
 #: vLLM's workers busy-wait on their step queue for 1 s after their last step; a pause of a
