@@ -81,7 +81,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.e2e import harness  # noqa: E402  (the e2e tests' process harness, reused)
+from tests.e2e import harness, prompts  # noqa: E402  (the e2e tests' process harness, reused)
 from tests.e2e.tiny_model import build_tiny_model, kv_bytes_per_token  # noqa: E402
 
 OUTPUT_TOKENS = 16
@@ -350,9 +350,8 @@ async def one_request(client: httpx.AsyncClient, setup: Setup, prompt: list[int]
 async def run_workload(setup: Setup, wl: Workload) -> tuple[list[Sample], float]:
     """Every prompt of ``wl`` at its concurrency; a request that fails is left out of the
     samples and recorded in ``setup.errors`` (the table shows how many)."""
-    # idle connections dropped well before vLLM's servers close them (5 s), as in
-    # examples/disagg_proxy.py (UPSTREAM_KEEPALIVE_S)
-    limits = httpx.Limits(max_connections=wl.concurrency * 2 + 4, keepalive_expiry=1.0)
+    # idle connections dropped well before vLLM's servers close them (5 s): see prompts.LIMITS
+    limits = httpx.Limits(max_connections=wl.concurrency * 2 + 4, keepalive_expiry=prompts.LIMITS.keepalive_expiry)
     async with httpx.AsyncClient(timeout=180, limits=limits) as client:
         sem = asyncio.Semaphore(wl.concurrency)
 
@@ -535,8 +534,8 @@ SPIN_DOWN_S = 1.2
 
 def token_reference(single: Setup, workloads: list[Workload]) -> dict[tuple[int, ...], list[int]]:
     """Greedy tokens of every prompt from the single engine (untimed, 16 at a time)."""
-    prompts = list({tuple(p): p for wl in workloads for p in wl.prompts}.values())
-    got, _ = asyncio.run(run_workload(single, Workload("reference", prompts, 16)))
+    distinct = list({tuple(p): p for wl in workloads for p in wl.prompts}.values())
+    got, _ = asyncio.run(run_workload(single, Workload("reference", distinct, 16)))
     return {s.prompt: s.tokens for s in got}
 
 
