@@ -22,6 +22,19 @@ UCX transports, and NIXL's progress thread on both sides.
 * kvtransport, one-off: ``Agent.read``/``write`` each round (validation, merging,
   descriptor lists and ``initialize_xfer`` every time), polled the same way.
 
+CPU placement (``$KVT_BENCH_NIXL_PLACEMENT``, default ``split``). An idle NIXL agent's
+progress thread never sleeps (NIXL's Python API starts it with no delay between polls:
+measured 1.0 CPU-s/s per agent here), and this bench holds four agents (raw and kvtransport
+on each side). Left to the scheduler, the thread timed shared this machine's two cores with
+four such threads, and every cell measured how often it was pre-empted (16 MiB READ ratios
+0.82-0.98 across five runs; the same run swung 0.79-1.23 between cells). ``split`` gives
+the initiator CPU 0 and the target CPU 1 (threads inherit the CPU set of their creator),
+and runs the two initiator agents without a progress thread: with shared memory the copy
+runs inside the initiator's post (``transfer()``), and each system finds completion by its
+own polling -- ``check_xfer_state`` for raw NIXL (its documented way), ``Transfer.wait()``
+for kvtransport. The target agents keep their progress threads (a target must progress to
+connect). ``shared``: every agent with its progress thread, no pinning (the earlier setup).
+
 Rounds run in blocks per system, the blocks interleaved (who goes first rotates), so load
 from other processes on this shared machine hits all alike; the first transfer of each
 block is not counted (measured: the first transfer after *another* NIXL agent was busy is
@@ -55,6 +68,9 @@ POLL_S = 5e-5
 #: ``xproc``: the far side in a spawned child (the real topology); ``inproc``: in this process.
 TOPOLOGIES = os.environ.get("KVT_BENCH_NIXL_TOPOLOGIES", "xproc,inproc").split(",")
 OUT = os.environ.get("KVT_BENCH_NIXL_OUT", "/tmp/kvt_bench_nixl.json")
+#: ``split`` (initiator on CPU 0 without progress threads, target on CPU 1) or ``shared``.
+PLACEMENT = os.environ.get("KVT_BENCH_NIXL_PLACEMENT", "split")
+SPLIT = PLACEMENT == "split" and len(os.sched_getaffinity(0)) >= 2
 RESULTS: list[dict] = []
 
 
@@ -102,7 +118,14 @@ class _Target:
         return None
 
 
+def _pin(cpu: int) -> None:
+    """This thread (and threads it starts from now on) on ``cpu`` only."""
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[cpu]})
+
+
 def _target_main(conn, size: int) -> None:  # pragma: no cover - runs in the child
+    if SPLIT:
+        _pin(1)
     t = _Target(size)
     conn.send(t.hello())
     while True:
@@ -117,6 +140,8 @@ class _InProcess:
     """The same far side in this process, behind the pipe interface of the child."""
 
     def __init__(self, size: int) -> None:
+        if SPLIT:
+            _pin(1)  # the target's NIXL progress threads start here: they stay on CPU 1
         self.t = _Target(size)
         self._out = [self.t.hello()]
 
@@ -133,6 +158,7 @@ class _Bench:
         m = _probe.nixl()
         self.topology = topology
         self.proc = None
+        self._cpus = os.sched_getaffinity(0)  # restored by close()
         if topology == "xproc":
             ctx = mp.get_context("spawn")
             self.conn, child = ctx.Pipe()
@@ -141,13 +167,16 @@ class _Bench:
         else:
             self.conn = _InProcess(BUF)
         raw_md, self.taddr, kv_md, self.trid = self.conn.recv()
+        if SPLIT:
+            _pin(0)
         self.buf = np.zeros(BUF, np.uint8)
-        self.raw = m.nixl_agent(f"bench-raw-i-{os.getpid()}", m.nixl_agent_config(backends=["UCX"]))
+        self.raw = m.nixl_agent(f"bench-raw-i-{os.getpid()}",
+                                m.nixl_agent_config(enable_prog_thread=not SPLIT, backends=["UCX"]))
         self.raw.register_memory(self.raw.get_reg_descs(np.array([[self.buf.ctypes.data, BUF, 0]], np.uint64),
                                                         "DRAM"))
         self.raw_md = raw_md
         self.raw_peer = self.raw.add_remote_agent(raw_md)
-        self.kv = kvt.open("nixl", name="bench-kvt-i", default_timeout_s=120)
+        self.kv = kvt.open("nixl", name="bench-kvt-i", default_timeout_s=120, progress_thread=not SPLIT)
         self.region = self.kv.register(self.buf)
         self.peer = self.kv.connect(kv_md)
         rng = np.random.default_rng(0)
@@ -222,6 +251,7 @@ class _Bench:
             pass
         if self.proc is not None:
             self.proc.join(10)
+        os.sched_setaffinity(0, self._cpus)
 
 
 @pytest.fixture(scope="module", params=TOPOLOGIES)

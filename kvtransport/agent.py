@@ -60,7 +60,7 @@ from .memory import MemoryRegion, RemoteMemoryRegion, describe_buffer
 from .registry import load_backend_class, probe_class
 from .segments import Segments, merge_pairs
 from .spi import Backend, LocalRegion, Op, PollState, PostRequest, RemoteRegion
-from .transfer import FinishedTransfers, PreparedTransfer, State, Transfer, TransferStatus
+from .transfer import DONE_STATUS, FinishedTransfers, PreparedTransfer, State, Transfer, TransferStatus
 
 __all__ = ["AgentConfig", "Agent", "Peer", "Notification", "PreparedTransfer", "open_agent"]
 
@@ -576,7 +576,7 @@ class Agent:
                               "with no completion from the backend")
             return
         if res.state is PollState.DONE:
-            if t.set_terminal(TransferStatus(State.DONE)):
+            if t.set_terminal(DONE_STATUS):
                 self._pending.pop(t.id, None)
                 self._stats["transfers_done"] += 1
                 self._stats["bytes_read" if t.op is Op.READ else "bytes_written"] += t.nbytes
@@ -728,7 +728,7 @@ class _TransferOwner:
             elif t.id in a._unquiesced:
                 a._check_quiesced(t)
             st = t.last_status
-            if st.done:  # the caller sees it end: progress() need not hold it any more
+            if st.state is not State.PENDING:  # the caller sees it end: progress() need not hold it
                 a._finished.seen(t)
             return st
 

@@ -62,6 +62,8 @@ class TransferStatus:
 
 
 _PENDING = TransferStatus(State.PENDING)
+#: The one DONE status (immutable, so shared): made once, not per transfer.
+DONE_STATUS = TransferStatus(State.DONE)
 
 
 class TransferOwner(Protocol):
@@ -176,7 +178,7 @@ class Transfer:
         if self._seen_final:
             return self._status
         st = self._owner.poll_transfer(self)
-        if st.done and st.quiesced:
+        if st.state is not State.PENDING and st.quiesced:
             self._seen_final = True  # nothing can change any more: no need to ask again
         return st
 
@@ -191,6 +193,9 @@ class Transfer:
     def wait(self, timeout: float | None = None) -> TransferStatus:
         """Block until DONE/FAILED or ``timeout`` seconds pass (the transfer's own
         deadline bounds the wait anyway). Returns the status at that time."""
+        st = self.status()
+        if st.state is not State.PENDING:  # e.g. a copy finished inside post: nothing to set up
+            return st
         limit = time.monotonic() + timeout if timeout is not None else float("inf")
         sleep = 5e-5
         owner = self._owner
@@ -266,11 +271,7 @@ class PreparedTransfer:
 class _SeenRef(weakref.ref):
     """Weak reference to a finished transfer the caller has seen end, keyed by its id."""
 
-    __slots__ = ("tid",)
-
-    def __init__(self, transfer: Transfer, callback: Any):
-        super().__init__(transfer, callback)
-        self.tid = transfer.id
+    __slots__ = ("tid",)  # set by FinishedTransfers.seen (no Python __init__: one is made per wait)
 
 
 class FinishedTransfers:
@@ -295,6 +296,7 @@ class FinishedTransfers:
     def __init__(self, window: int):
         self._items: dict[int, Transfer | _SeenRef] = {}
         self._recent: deque[Transfer] = deque(maxlen=max(0, int(window)))
+        self._forget_cb = self._forget  # one bound method, not one per seen transfer
 
     def __len__(self) -> int:
         return len(self._items)
@@ -306,7 +308,9 @@ class FinishedTransfers:
     def seen(self, t: Transfer) -> None:
         """A ``status()``/``wait()`` returned ``t``'s terminal state: hold it weakly."""
         if self._items.get(t.id) is t:
-            self._items[t.id] = _SeenRef(t, self._forget)
+            ref = _SeenRef(t, self._forget_cb)
+            ref.tid = t.id
+            self._items[t.id] = ref
             self._recent.append(t)
 
     def _forget(self, ref: _SeenRef) -> None:

@@ -37,7 +37,6 @@ import contextlib
 import secrets
 import threading
 import time
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -62,9 +61,10 @@ from . import _probe
 from ._options import NixlOptions, parse_options
 from ._peers import DEC, ENC, Conn, Export, region_blob, ucx_env
 from ._reuse import RequestCache
-from ._xfer import Poster, Stage, Xfer, nixl_error, post_now, refresh
+from ._xfer import Poster, Stage, Xfer, nixl_error, post_inline, refresh
 
 _MARK = b"K"  # first byte of every notification we send
+_DONE = PollResult.done()
 _SUFFIX = "@kvt-"
 _KINDS = {"cpu": "DRAM", "cuda": "VRAM"}
 #: Plugins whose init parameter ``num_threads`` is NIXL's thread count (as nixl_agent does).
@@ -135,7 +135,9 @@ class NixlBackend(Backend):
         self._reuse = RequestCache()
         self._stuck: set[Xfer] = set()  # released by the core while NIXL still runs them
         self._xfer_lock = threading.Lock()  # every Xfer's stage (short sections, never nested)
-        self._live: weakref.WeakSet[Xfer] = weakref.WeakSet()  # every unreleased request (close)
+        #: every request not yet released (close); a plain set: a WeakSet's add costs a weak
+        #: reference and its callback per post
+        self._live: set[Xfer] = set()
         self._foreign = 0
         self._closed = False
 
@@ -315,7 +317,7 @@ class NixlBackend(Backend):
         conn.xfers.add(x)
         self._live.add(x)
         if nbytes <= self.opts.inline_post_bytes:
-            post_now(self._nx, x)
+            post_inline(self._nx, x)
         else:
             if self._poster is None:
                 self._poster = Poster(self._nx, self.agent_name, self.signal_progress)
@@ -323,10 +325,13 @@ class NixlBackend(Backend):
         return x
 
     def poll(self, handle: Xfer) -> PollResult:
+        st = handle.stage
+        if st is Stage.DONE:  # a terminal stage never changes: no lock, no NIXL call
+            return _DONE
         refresh(self._nx, handle)
         st = handle.stage
         if st is Stage.DONE:
-            return PollResult.done()
+            return _DONE
         if st is Stage.FAILED:
             return PollResult.failed(handle.reason, quiesced=True)
         conn = handle.conn
@@ -361,18 +366,24 @@ class NixlBackend(Backend):
         return ok
 
     def release(self, handle: Xfer) -> None:
-        with handle.lock:
-            if handle.handle is None:
+        done = handle.stage is Stage.DONE  # DONE never changes: the common case takes no lock
+        if done:
+            h, handle.handle = handle.handle, None  # the core releases under its lock, once
+            if h is None:
                 return
-            if handle.moving:
-                # Never release a pending NIXL request (it aborts nothing, may block for
-                # seconds) and never let Python's GC do it (nixl_xfer_handle.__del__ does):
-                # keep it until NIXL ends it (peer died, _quiet said so).
-                self._stuck.add(handle)
-                return
-            h, handle.handle = handle.handle, None
-            done = handle.stage is Stage.DONE
+        else:
+            with handle.lock:
+                if handle.handle is None:
+                    return
+                if handle.moving:
+                    # Never release a pending NIXL request (it aborts nothing, may block for
+                    # seconds) and never let Python's GC do it (nixl_xfer_handle.__del__
+                    # does): keep it until NIXL ends it (peer died, _quiet said so).
+                    self._stuck.add(handle)
+                    return
+                h, handle.handle = handle.handle, None
         handle.conn.xfers.discard(handle)
+        self._live.discard(handle)
         if done and not handle.conn.gone and self._reuse.give_back(handle.entry, h, bool(handle.notif)):
             return  # kept for the next post of the same preparation
         with contextlib.suppress(Exception):
