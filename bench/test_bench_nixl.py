@@ -27,13 +27,17 @@ progress thread never sleeps (NIXL's Python API starts it with no delay between 
 measured 1.0 CPU-s/s per agent here), and this bench holds four agents (raw and kvtransport
 on each side). Left to the scheduler, the thread timed shared this machine's two cores with
 four such threads, and every cell measured how often it was pre-empted (16 MiB READ ratios
-0.82-0.98 across five runs; the same run swung 0.79-1.23 between cells). ``split`` gives
-the initiator CPU 0 and the target CPU 1 (threads inherit the CPU set of their creator),
-and runs the two initiator agents without a progress thread: with shared memory the copy
-runs inside the initiator's post (``transfer()``), and each system finds completion by its
-own polling -- ``check_xfer_state`` for raw NIXL (its documented way), ``Transfer.wait()``
-for kvtransport. The target agents keep their progress threads (a target must progress to
-connect). ``shared``: every agent with its progress thread, no pinning (the earlier setup).
+0.82-0.98 across five runs; the same run swung 0.79-1.23 between cells). ``split`` runs the
+two initiator agents without a progress thread (with shared memory the copy runs inside
+the initiator's ``transfer()``, and each system finds completion by its own polling:
+``check_xfer_state`` for raw NIXL, its documented way, ``Transfer.wait()`` for kvtransport)
+and keeps the initiator's threads on CPU 0; in ``xproc`` the target process runs on CPU 1
+(threads inherit the CPU set of their creator). The target agents keep their progress
+threads (a target must progress to connect). In ``inproc`` the target's threads are left
+unpinned: with both target threads
+on one CPU a quarter of the transfers of both systems stalled ~8 ms (measured).
+``shared``: every agent with its progress thread, no pinning (the setup before 2026-12-04
+evening).
 
 Rounds run in blocks per system, the blocks interleaved (who goes first rotates), so load
 from other processes on this shared machine hits all alike; the first transfer of each
@@ -140,8 +144,9 @@ class _InProcess:
     """The same far side in this process, behind the pipe interface of the child."""
 
     def __init__(self, size: int) -> None:
-        if SPLIT:
-            _pin(1)  # the target's NIXL progress threads start here: they stay on CPU 1
+        # The target's progress threads are not pinned here: pinned to one CPU together,
+        # they went with ~8 ms stalls in a quarter of the transfers of both systems (in
+        # one process the initiator's transfers apparently wait for the target's worker).
         self.t = _Target(size)
         self._out = [self.t.hello()]
 
