@@ -7,7 +7,7 @@ Topologies (``$KVT_BENCH_NIXL_TOPOLOGIES``, default both): ``xproc`` — the ini
 this process, the target in a spawned child (the real prefill/decode topology);
 ``inproc`` — the same target in this process. Both systems use the **same two buffers** (each registered with
 both a raw NIXL agent and a kvtransport agent), NIXL's UCX plugin with the same (default)
-UCX transports, and NIXL's progress thread on both sides.
+UCX transports; which agents run NIXL's progress thread depends on the CPU placement below.
 
 * raw NIXL: the fastest documented path — the transfer is prepared once per case
   (``initialize_xfer`` from ``(n, 3)`` numpy descriptor arrays) and re-posted each round
@@ -34,8 +34,8 @@ the initiator's ``transfer()``, and each system finds completion by its own poll
 and keeps the initiator's threads on CPU 0; in ``xproc`` the target process runs on CPU 1
 (threads inherit the CPU set of their creator). The target agents keep their progress
 threads (a target must progress to connect). In ``inproc`` the target's threads are left
-unpinned: with both target threads
-on one CPU a quarter of the transfers of both systems stalled ~8 ms (measured).
+unpinned: with both target threads on one CPU a quarter of the transfers of both systems
+stalled ~8 ms (measured).
 ``shared``: every agent with its progress thread, no pinning (the setup before 2026-12-04
 evening).
 
@@ -74,6 +74,8 @@ TOPOLOGIES = os.environ.get("KVT_BENCH_NIXL_TOPOLOGIES", "xproc,inproc").split("
 OUT = os.environ.get("KVT_BENCH_NIXL_OUT", "/tmp/kvt_bench_nixl.json")
 #: ``split`` (initiator on CPU 0 without progress threads, target on CPU 1) or ``shared``.
 PLACEMENT = os.environ.get("KVT_BENCH_NIXL_PLACEMENT", "split")
+if PLACEMENT not in ("split", "shared"):
+    raise ValueError(f"KVT_BENCH_NIXL_PLACEMENT must be 'split' or 'shared', got {PLACEMENT!r}")
 SPLIT = PLACEMENT == "split" and len(os.sched_getaffinity(0)) >= 2
 RESULTS: list[dict] = []
 

@@ -193,17 +193,14 @@ class Transfer:
     def wait(self, timeout: float | None = None) -> TransferStatus:
         """Block until DONE/FAILED or ``timeout`` seconds pass (the transfer's own
         deadline bounds the wait anyway). Returns the status at that time."""
+        owner = self._owner
+        token = owner.progress_token()  # taken before looking, so no signal is missed
         st = self.status()
         if st.state is not State.PENDING:  # e.g. a copy finished inside post: nothing to set up
             return st
         limit = time.monotonic() + timeout if timeout is not None else float("inf")
         sleep = 5e-5
-        owner = self._owner
         while True:
-            token = owner.progress_token()
-            st = self.status()
-            if st.done:
-                return st
             now = time.monotonic()
             if now >= limit:
                 return st
@@ -211,6 +208,10 @@ class Transfer:
             # (also bounds the wait for a silent backend's deadline, which polling enforces).
             owner.wait_for_progress(token, min(sleep, limit - now, max(self.deadline - now, 0.0) + 1e-4))
             sleep = min(sleep * 2, 2e-3)
+            token = owner.progress_token()
+            st = self.status()
+            if st.state is not State.PENDING:
+                return st
 
     def result(self, timeout: float | None = None) -> None:
         """Wait, then raise :class:`TransferFailedError` unless DONE."""

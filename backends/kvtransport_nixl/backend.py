@@ -325,10 +325,7 @@ class NixlBackend(Backend):
         return x
 
     def poll(self, handle: Xfer) -> PollResult:
-        st = handle.stage
-        if st is Stage.DONE:  # a terminal stage never changes: no lock, no NIXL call
-            return _DONE
-        refresh(self._nx, handle)
+        refresh(self._nx, handle)  # returns at once unless the request is IN_FLIGHT
         st = handle.stage
         if st is Stage.DONE:
             return _DONE
