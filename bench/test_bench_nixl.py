@@ -5,9 +5,12 @@ prints the table). Needs the ``nixl`` extra (``pip install 'kvtransport[nixl]'``
 
 Topologies (``$KVT_BENCH_NIXL_TOPOLOGIES``, default both): ``xproc`` — the initiator in
 this process, the target in a spawned child (the real prefill/decode topology);
-``inproc`` — the same target in this process. Both systems use the **same two buffers** (each registered with
-both a raw NIXL agent and a kvtransport agent), NIXL's UCX plugin with the same (default)
-UCX transports; which agents run NIXL's progress thread depends on the CPU placement below.
+``inproc`` — the same target in this process. Both systems use the **same two buffers** and
+the **same far NIXL agent**: the target is one kvtransport agent, and raw NIXL connects to
+the NIXL agent inside it (its metadata read from the blob kvtransport exports). The
+initiator holds a raw NIXL agent and a kvtransport agent on the same buffer. All use
+NIXL's UCX plugin with the same (default) UCX transports; which agents run NIXL's progress
+thread depends on the CPU placement below.
 
 * raw NIXL: the fastest documented path — the transfer is prepared once per case
   (``initialize_xfer`` from ``(n, 3)`` numpy descriptor arrays) and re-posted each round
@@ -24,18 +27,21 @@ UCX transports; which agents run NIXL's progress thread depends on the CPU place
 
 CPU placement (``$KVT_BENCH_NIXL_PLACEMENT``, default ``split``). An idle NIXL agent's
 progress thread never sleeps (NIXL's Python API starts it with no delay between polls:
-measured 1.0 CPU-s/s per agent here), and this bench holds four agents (raw and kvtransport
-on each side). Left to the scheduler, the thread timed shared this machine's two cores with
-four such threads, and every cell measured how often it was pre-empted (16 MiB READ ratios
+measured 1.0 CPU-s/s per agent here). Until 2026-12-05 this bench held four agents (raw and
+kvtransport on each side); left to the scheduler, the thread timed shared this machine's
+two cores with four such threads, and every cell measured how often it was pre-empted (16 MiB READ ratios
 0.82-0.98 across five runs; the same run swung 0.79-1.23 between cells). ``split`` runs the
 two initiator agents without a progress thread (with shared memory the copy runs inside
 the initiator's ``transfer()``, and each system finds completion by its own polling:
 ``check_xfer_state`` for raw NIXL, its documented way, ``Transfer.wait()`` for kvtransport)
 and keeps the initiator's threads on CPU 0; in ``xproc`` the target process runs on CPU 1
-(threads inherit the CPU set of their creator). The target agents keep their progress
-threads (a target must progress to connect). In ``inproc`` the target's threads are left
-unpinned: with both target threads on one CPU a quarter of the transfers of both systems
-stalled ~8 ms (measured).
+(threads inherit the CPU set of their creator). The target agent keeps its progress
+thread (a target must progress to connect: without one, connecting hung, measured). In
+``inproc`` its thread is left unpinned. One far agent instead of two (2026-12-05): with a
+raw and a kvtransport target agent, ``inproc`` had two idle progress threads on two cores
+beside the timed thread, and its 256 MiB and scattered transfers were bimodal (IQR 20-40
+ms, 16-33 ms: the copy shared its CPU with a spinning thread or did not) at 7-9 and 2 GB/s;
+with one far agent they ran at 11-12 and 4 GB/s, both systems alike (measured).
 ``shared``: every agent with its progress thread, no pinning (the setup before 2026-12-04
 evening).
 
@@ -96,21 +102,24 @@ def _sha(buf: np.ndarray, offs: np.ndarray, n: int) -> str:
 
 
 class _Target:
-    """Buffer B behind a raw NIXL agent and a kvtransport agent: the far side of every case."""
+    """Buffer B behind one kvtransport ``nixl`` agent: the far side of every case.
+
+    Raw NIXL connects to the NIXL agent inside that kvtransport agent (its metadata read
+    from the blob kvtransport exports), so both systems target the same NIXL agent and the
+    far side runs one idle progress thread, not two (see CPU placement above)."""
 
     def __init__(self, size: int) -> None:
-        from kvtransport_nixl import _probe
-        m = _probe.nixl()
         self.size = size
         self.buf = np.zeros(size, np.uint8)
-        self.raw = m.nixl_agent(f"bench-raw-t-{os.getpid()}", m.nixl_agent_config(backends=["UCX"]))
-        self.raw.register_memory(self.raw.get_reg_descs(np.array([[self.buf.ctypes.data, size, 0]], np.uint64),
-                                                        "DRAM"))
         self.kv = kvt.open("nixl", name="bench-kvt-t")
         self.region = self.kv.register(self.buf)
 
     def hello(self) -> tuple:
-        return self.raw.get_agent_metadata(), self.buf.ctypes.data, self.kv.metadata(), self.region.id
+        from kvtransport.metadata import decode_metadata
+        from kvtransport_nixl._peers import DEC
+        md = self.kv.metadata()
+        raw_md = DEC.decode(decode_metadata(md).blob).nixl_md
+        return raw_md, self.buf.ctypes.data, md, self.region.id
 
     def handle(self, cmd: str, arg):
         if cmd == "fill":
@@ -119,8 +128,7 @@ class _Target:
         if cmd == "sha":
             offs, n = arg
             return _sha(self.buf, offs, n)
-        self.kv.close()
-        self.raw = None  # NIXL stops a progress thread only in its agent's destructor
+        self.kv.close()  # drops its NIXL agent: NIXL stops a progress thread only then
         return None
 
 
@@ -146,9 +154,10 @@ class _InProcess:
     """The same far side in this process, behind the pipe interface of the child."""
 
     def __init__(self, size: int) -> None:
-        # The target's progress threads are not pinned here: pinned to one CPU together,
-        # they went with ~8 ms stalls in a quarter of the transfers of both systems (in
-        # one process the initiator's transfers apparently wait for the target's worker).
+        # The target's progress thread is not pinned here: when the far side had two
+        # agents, pinned to one CPU together, they went with ~8 ms stalls in a quarter of
+        # the transfers of both systems (in one process the initiator's transfers
+        # apparently wait for the target's worker).
         self.t = _Target(size)
         self._out = [self.t.hello()]
 
