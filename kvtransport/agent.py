@@ -570,6 +570,7 @@ class Agent:
             self._fail(t, f"backend poll raised {type(exc).__name__}: {exc}")
             return
         if res is None or res.state is PollState.PENDING:
+            t.awaits_signal = res is not None and res.will_signal
             if now >= t.deadline:
                 self._stats["transfers_timed_out"] += 1
                 self._fail(t, f"deadline of {t.deadline - t.posted_at:.3f}s passed "

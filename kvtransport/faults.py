@@ -124,6 +124,7 @@ class FaultInjectingBackend(Backend):
         with self._lock:
             self._killed.add(peer_name)
         self.plan.count("peer_killed")
+        self.signal_progress()  # waiters the real backend promised a signal must see it now
 
     def gate_posts(self, ops: frozenset[Op] = frozenset({Op.WRITE}), max_hold_s: float = 60.0) -> PostGate:
         """Hold the next post of one of ``ops`` inside ``post`` until the returned gate is

@@ -64,6 +64,10 @@ class TransferStatus:
 _PENDING = TransferStatus(State.PENDING)
 #: The one DONE status (immutable, so shared): made once, not per transfer.
 DONE_STATUS = TransferStatus(State.DONE)
+#: Longest sleep of ``Transfer.wait()`` while the backend has promised to signal the
+#: transfer's next change (``PollResult.will_signal``): what a backend that broke that
+#: promise costs a waiter per transfer, instead of a transfer stranded until its deadline.
+SIGNALLED_WAIT_CAP_S = 0.05
 
 
 class TransferOwner(Protocol):
@@ -105,7 +109,7 @@ class Transfer:
 
     __slots__ = ("_owner", "id", "op", "peer", "nbytes", "nsegments", "local_regions", "deadline",
                  "posted_at", "finished_at", "backend_handle", "_status", "_released", "_seen_final",
-                 "__weakref__")
+                 "awaits_signal", "__weakref__")
 
     def __init__(
         self,
@@ -135,6 +139,9 @@ class Transfer:
         self._status: TransferStatus = _PENDING
         self._released = False
         self._seen_final = False  # a status() call returned the final (quiesced) state
+        #: Set by the owner at each poll: the backend promised to signal this transfer's
+        #: next change (``PollResult.will_signal``), so ``wait()`` need not poll meanwhile.
+        self.awaits_signal = False
 
     # -- owner side: called only by the TransferOwner that created the transfer, ------
     # -- under its lock -----------------------------------------------------------------
@@ -204,9 +211,12 @@ class Transfer:
             now = time.monotonic()
             if now >= limit:
                 return st
-            # Woken at once by a backend that signals progress; otherwise a short back-off
-            # (also bounds the wait for a silent backend's deadline, which polling enforces).
-            owner.wait_for_progress(token, min(sleep, limit - now, max(self.deadline - now, 0.0) + 1e-4))
+            # Woken at once by a backend that signals progress. Otherwise a short back-off
+            # (also bounds the wait for a silent backend's deadline, which polling
+            # enforces), unless the backend promised a signal for this transfer's next
+            # change: then only the deadline or a safety cap ends the sleep.
+            nap = SIGNALLED_WAIT_CAP_S if self.awaits_signal else sleep
+            owner.wait_for_progress(token, min(nap, limit - now, max(self.deadline - now, 0.0) + 1e-4))
             sleep = min(sleep * 2, 2e-3)
             token = owner.progress_token()
             st = self.status()

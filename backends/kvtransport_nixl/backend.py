@@ -335,7 +335,9 @@ class NixlBackend(Backend):
         self._check_peer(conn)
         if conn.failed:
             return PollResult.failed(conn.failed, quiesced=self._quiet(handle))
-        return PollResult.pending()
+        # QUEUED or POSTING: the poster thread signals progress when its transfer() call
+        # for it returns, so a waiter can sleep until then (IN_FLIGHT needs polling).
+        return PollResult.pending(will_signal=st is not Stage.IN_FLIGHT)
 
     def _quiet(self, x: Xfer) -> bool:
         """No byte of ``x`` can land any more: NIXL ended the request, or it was never

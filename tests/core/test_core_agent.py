@@ -609,3 +609,77 @@ def test_close_fails_pending_transfers_once(doubles):
     assert a.progress() == []
     with pytest.raises(errors.AgentClosedError):
         a.notifications()
+
+
+# -- wait() and backends that promise a signal (PollResult.will_signal) --------------------
+
+class SignalPromiseTestDouble(QuiescenceTestDouble):
+    """TEST DOUBLE of the backend SPI, not a transport: moves no bytes. A transfer stays
+    PENDING with ``will_signal`` until the test finishes it; ``finish(signal=...)`` says
+    whether the double keeps its promise to signal. Counts polls."""
+
+    name = "signal-promise-test-double"
+
+    def __init__(self, agent_name: str):
+        super().__init__(agent_name)
+        self.finished = threading.Event()
+        self.polls = 0
+
+    def poll(self, handle: _Handle) -> PollResult:
+        self.polls += 1
+        if self.finished.is_set():
+            return PollResult.done()
+        return PollResult.pending(will_signal=True)
+
+    def finish(self, signal: bool) -> None:
+        self.finished.set()
+        if signal:
+            self.signal_progress()
+
+
+@pytest.fixture
+def promising():
+    da, db = SignalPromiseTestDouble("sa"), SignalPromiseTestDouble("sb")
+    a, b = Agent(da, AgentConfig(name="sa")), Agent(db, AgentConfig(name="sb"))
+    ra = a.register(np.zeros(4096, np.uint8))
+    rb = b.register(np.zeros(4096, np.uint8))
+    peer = a.connect(b.metadata())
+    yield a, da, ra, peer, peer.region(rb.id)
+    a.close()
+    b.close()
+
+
+def test_wait_sleeps_until_the_promised_signal_instead_of_polling(promising):
+    """With the promise, wait() polls when signalled (and once per safety cap), not on its
+    back-off: over 30 ms the back-off alone would poll ~20 times."""
+    a, double, ra, peer, rem = promising
+    t = a.write(peer, ra.segments([0], [64]), rem.segments([0], [64]), timeout=30)
+    assert t.backend_handle is not None and t.awaits_signal
+    before = double.polls
+    timer = threading.Timer(0.03, double.finish, kwargs={"signal": True})
+    timer.start()
+    st = t.wait(10)
+    timer.join()
+    assert st.state is kvt.State.DONE
+    assert double.polls - before <= 4, double.polls - before
+
+
+def test_wait_still_ends_when_a_backend_breaks_its_signal_promise(promising):
+    """A backend that promised a signal and never gives it costs the waiter at most the
+    safety cap, not the transfer's deadline: the transfer is seen DONE."""
+    from kvtransport.transfer import SIGNALLED_WAIT_CAP_S
+    a, double, ra, peer, rem = promising
+    t = a.write(peer, ra.segments([0], [64]), rem.segments([0], [64]), timeout=60)
+    timer = threading.Timer(0.01, double.finish, kwargs={"signal": False})
+    timer.start()
+    st = t.wait(20 * SIGNALLED_WAIT_CAP_S + 5)  # far below the 60 s deadline
+    timer.join()
+    assert st.state is kvt.State.DONE, st
+    assert a.stats()["pending"] == 0
+
+
+def test_wait_enforces_the_deadline_while_a_signal_is_promised(promising):
+    a, double, ra, peer, rem = promising
+    t = a.write(peer, ra.segments([0], [64]), rem.segments([0], [64]), timeout=0.2)
+    st = t.wait(30)
+    assert st.state is kvt.State.FAILED and "deadline" in st.reason

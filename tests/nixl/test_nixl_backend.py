@@ -91,6 +91,39 @@ def test_whole_region_moves_through_the_configured_post_path(two_proc):
     assert local.stats()["pending"] == 0 and local.stats()["unquiesced"] == 0
 
 
+def test_poster_path_promises_a_signal_and_gives_it(two_proc):
+    """A request on the poster thread is answered PENDING with ``will_signal`` (so
+    ``Transfer.wait()`` sleeps instead of polling on its back-off), and the poster keeps the
+    promise: it signals the agent when NIXL's ``transfer()`` returns. Inline posts end
+    inside ``post`` (no PENDING answer at all)."""
+    local, buf, region, far, peer = two_proc
+    far.fill(11)
+    be = local._backend
+    answers = []
+    real_poll = be.poll
+
+    def recording_poll(handle):
+        res = real_poll(handle)
+        answers.append(res)
+        return res
+
+    be.poll = recording_poll  # the agent calls the instance attribute
+    gen0 = local._progress_gen
+    try:
+        t = local.read(peer, region.whole(), peer.region(far.region_id).whole())
+        st = t.wait(60)
+    finally:
+        del be.poll
+    assert st.ok, st
+    assert buf.tobytes() == pattern(11, SIZE).tobytes()
+    pending = [r for r in answers if r.state.name == "PENDING"]
+    if be.opts.inline_post_bytes >= SIZE:
+        assert pending == []
+    else:
+        assert pending and pending[0].will_signal, answers
+        assert local._progress_gen > gen0  # the poster signalled
+
+
 def test_far_side_writes_into_us_and_notifies(two_proc):
     local, buf, region, far, peer = two_proc
     far.fill(5)
