@@ -9,7 +9,7 @@ holds buffer B (``inproc``: the same far side in this process); each side has on
 ``mooncake`` agent, P2P hand-shake over TCP on 127.0.0.1. The raw rows call Mooncake's API
 on the **same engines**: the ``mooncake.engine.TransferEngine`` inside each side's agent
 (buffers registered once, the same TCP connections and transport threads), so the only
-difference between the rows is our layer. Until 2026-12-05 each side also held a raw engine
+difference between the rows is our layer. Until the night of 2026-12-04 each side also held a raw engine
 of its own; which engine's threads the scheduler favoured then moved single cells by up to
 ±50 % between runs (one run: raw-async 3.7 GB/s, kvt and kvt one-off both 2.4 GB/s on the
 same 256 MiB READ). Cases: 16 MiB and 256 MiB contiguous, 4096 x 16 KiB scattered (random block order

@@ -27,7 +27,7 @@ thread depends on the CPU placement below.
 
 CPU placement (``$KVT_BENCH_NIXL_PLACEMENT``, default ``split``). An idle NIXL agent's
 progress thread never sleeps (NIXL's Python API starts it with no delay between polls:
-measured 1.0 CPU-s/s per agent here). Until 2026-12-05 this bench held four agents (raw and
+measured 1.0 CPU-s/s per agent here). Until the night of 2026-12-04 this bench held four agents (raw and
 kvtransport on each side); left to the scheduler, the thread timed shared this machine's
 two cores with four such threads, and every cell measured how often it was pre-empted (16 MiB READ ratios
 0.82-0.98 across five runs; the same run swung 0.79-1.23 between cells). ``split`` runs the
@@ -37,7 +37,7 @@ the initiator's ``transfer()``, and each system finds completion by its own poll
 and keeps the initiator's threads on CPU 0; in ``xproc`` the target process runs on CPU 1
 (threads inherit the CPU set of their creator). The target agent keeps its progress
 thread (a target must progress to connect: without one, connecting hung, measured). In
-``inproc`` its thread is left unpinned. One far agent instead of two (2026-12-05): with a
+``inproc`` its thread is left unpinned. One far agent instead of two (the night of 2026-12-04): with a
 raw and a kvtransport target agent, ``inproc`` had two idle progress threads on two cores
 beside the timed thread, and its 256 MiB and scattered transfers were bimodal (IQR 20-40
 ms, 16-33 ms: the copy shared its CPU with a spinning thread or did not) at 7-9 and 2 GB/s;
@@ -49,7 +49,10 @@ Rounds run in blocks per system, the blocks interleaved (who goes first rotates)
 from other processes on this shared machine hits all alike; the first transfer of each
 block is not counted (measured: the first transfer after *another* NIXL agent was busy is
 slower by up to a few ms here, whichever system it is). The ratio is of medians.
-Targets (issue 15): kvtransport / raw >= 0.95 at 16 MiB and above, >= 0.90 scattered.
+Targets (issue 15): our layer's overhead (kvtransport time / raw time - 1) <= 5 % at 16 MiB
+and above, <= 10 % scattered, i.e. ``ratio`` (raw time / kvtransport time) >= 1/1.05 = 0.952
+and >= 1/1.10 = 0.909. (Until the night of 2026-12-04 this bench compared the ratio with 0.95 / 0.90,
+which allowed 5.3 % / 11.1 %.)
 Every case's first round of each system is checked byte for byte. No timing is asserted.
 """
 
@@ -73,7 +76,8 @@ CASES = {"16MiB": (1, 16 << 20), "256MiB": (1, 256 << 20), "4096x16KiB": (4096, 
 ROUNDS = {"16MiB": 60, "256MiB": 12, "4096x16KiB": 24}
 #: Counted rounds are run in BLOCKS blocks per system, the systems' blocks interleaved.
 BLOCKS = 6
-TARGET = {"16MiB": 0.95, "256MiB": 0.95, "4096x16KiB": 0.90}
+#: The issue's limits on our overhead (kvtransport time / raw time - 1), in percent.
+MAX_OVERHEAD_PCT = {"16MiB": 5.0, "256MiB": 5.0, "4096x16KiB": 10.0}
 POLL_S = 5e-5
 #: ``xproc``: the far side in a spawned child (the real topology); ``inproc``: in this process.
 TOPOLOGIES = os.environ.get("KVT_BENCH_NIXL_TOPOLOGIES", "xproc,inproc").split(",")
@@ -306,7 +310,9 @@ def test_kvtransport_over_nixl_vs_raw_nixl(bench, op, case):
     RESULTS.append({"topology": bench.topology, "case": case, "op": op, "raw_ms_iqr": q["raw"],
                     "kvt_ms_iqr": q["kvt"], "raw_GBps": round(nbytes / raw_s / 1e9, 3),
                     "kvt_GBps": round(nbytes / kvt_s / 1e9, 3), "ratio": round(raw_s / kvt_s, 3),
-                    "overhead_pct": round(100 * (kvt_s - raw_s) / raw_s, 1), "target": TARGET[case],
+                    "overhead_pct": round(100 * (kvt_s - raw_s) / raw_s, 1),
+                    "max_overhead_pct": MAX_OVERHEAD_PCT[case],
+                    "met": kvt_s <= raw_s * (1 + MAX_OVERHEAD_PCT[case] / 100),
                     "oneoff_GBps": round(nbytes / one_s / 1e9, 3), "oneoff_ratio": round(raw_s / one_s, 3),
                     "rounds": ROUNDS[case]})
 
@@ -318,9 +324,9 @@ def _report(topology: str) -> None:
     lines = [f"{'topology':<8} {'case':<11} {'op':<5} {'raw GB/s':>9} {'kvt GB/s':>9} {'kvt/raw':>8} {'overhead':>9} "
              f"{'target':<12} {'one-off GB/s':>12} {'one-off/raw':>11}"]
     for r in (r for r in RESULTS if r["topology"] == topology):
-        ok = "met" if r["ratio"] >= r["target"] else "MISSED"
+        ok = "met" if r["met"] else "MISSED"
         lines.append(f"{r['topology']:<8} {r['case']:<11} {r['op']:<5} {r['raw_GBps']:>9.2f} {r['kvt_GBps']:>9.2f} "
-                     f"{r['ratio']:>8.3f} {r['overhead_pct']:>8.1f}% >={r['target']:<4} {ok:<6} "
+                     f"{r['ratio']:>8.3f} {r['overhead_pct']:>8.1f}% <={r['max_overhead_pct']:>4.0f}% {ok:<6} "
                      f"{r['oneoff_GBps']:>12.2f} {r['oneoff_ratio']:>11.3f}")
     print("\nkvtransport-over-nixl vs raw NIXL (medians)\n" + "\n".join(lines))
     try:
