@@ -517,16 +517,22 @@ class QuiescenceTestDouble(Backend):
         pass
 
 
-@pytest.fixture
-def doubles():
-    da, db = QuiescenceTestDouble("qa"), QuiescenceTestDouble("qb")
-    a, b = Agent(da, AgentConfig(name="qa")), Agent(db, AgentConfig(name="qb"))
+def _connected_doubles(double_cls: type[Backend], names: tuple[str, str]):
+    """Two agents over test doubles, ``a`` connected to ``b``: yields (agent a, a's
+    double, a's region, peer b, b's region as seen from a); closes both after."""
+    da, db = double_cls(names[0]), double_cls(names[1])
+    a, b = Agent(da, AgentConfig(name=names[0])), Agent(db, AgentConfig(name=names[1]))
     ra = a.register(np.zeros(4096, np.uint8))
     rb = b.register(np.zeros(4096, np.uint8))
     peer = a.connect(b.metadata())
     yield a, da, ra, peer, peer.region(rb.id)
     a.close()
     b.close()
+
+
+@pytest.fixture
+def doubles():
+    yield from _connected_doubles(QuiescenceTestDouble, ("qa", "qb"))
 
 
 def test_T3_failed_by_deadline_keeps_region_until_backend_confirms_quiescence(doubles):
@@ -639,14 +645,7 @@ class SignalPromiseTestDouble(QuiescenceTestDouble):
 
 @pytest.fixture
 def promising():
-    da, db = SignalPromiseTestDouble("sa"), SignalPromiseTestDouble("sb")
-    a, b = Agent(da, AgentConfig(name="sa")), Agent(db, AgentConfig(name="sb"))
-    ra = a.register(np.zeros(4096, np.uint8))
-    rb = b.register(np.zeros(4096, np.uint8))
-    peer = a.connect(b.metadata())
-    yield a, da, ra, peer, peer.region(rb.id)
-    a.close()
-    b.close()
+    yield from _connected_doubles(SignalPromiseTestDouble, ("sa", "sb"))
 
 
 def test_wait_sleeps_until_the_promised_signal_instead_of_polling(promising):
