@@ -601,6 +601,9 @@ class Agent:
             if not quiesced:
                 self._unquiesced[t.id] = t
             self._finished.add(t)
+            # Failed by the core (close, disconnect, deadline) or the backend: wake every
+            # waiter now, including one sleeping on a backend's promise to signal.
+            self._on_backend_progress()
 
     def _check_quiesced(self, t: Transfer) -> None:
         try:

@@ -682,3 +682,18 @@ def test_wait_enforces_the_deadline_while_a_signal_is_promised(promising):
     t = a.write(peer, ra.segments([0], [64]), rem.segments([0], [64]), timeout=0.2)
     st = t.wait(30)
     assert st.state is kvt.State.FAILED and "deadline" in st.reason
+
+
+def test_close_wakes_a_waiter_sleeping_on_a_promised_signal(promising):
+    """close() fails the transfer itself (the backend never signals): the waiter is woken
+    by the core, it does not sleep out the safety cap."""
+    a, double, ra, peer, rem = promising
+    t = a.write(peer, ra.segments([0], [64]), rem.segments([0], [64]), timeout=60)
+    out = {}
+    waiter = threading.Thread(target=lambda: out.setdefault("st", t.wait(30)))
+    waiter.start()
+    gen = a._progress_gen
+    a.close()
+    assert a._progress_gen > gen  # waiters were signalled
+    waiter.join(30)
+    assert out["st"].state is kvt.State.FAILED and "closed" in out["st"].reason
