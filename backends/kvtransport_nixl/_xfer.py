@@ -11,10 +11,12 @@ the copy costs less than the hand-off would.
 States (changed only under ``Xfer.lock``)::
 
     QUEUED --poster--> POSTING --transfer() returns--> IN_FLIGHT | DONE | FAILED
-    (inline posts go straight from POSTING)  IN_FLIGHT --check_xfer_state--> DONE | FAILED
+    IN_FLIGHT --check_xfer_state--> DONE | FAILED
     QUEUED --cancel--> FAILED (nothing was posted)
 
-A request in POSTING or IN_FLIGHT may still move bytes; in DONE or FAILED it cannot (NIXL
+An inline post (``Backend.post`` on the caller's thread) gets its Xfer only after
+``transfer()`` returned: IN_FLIGHT or FAILED, or, when NIXL finished it inside the call, the
+shared ``DONE_INLINE`` handle. A request in POSTING or IN_FLIGHT may still move bytes; in DONE or FAILED it cannot (NIXL
 reports a request finished only when its plugin completed or failed every operation).
 """
 
@@ -91,19 +93,17 @@ def post_now(nx: Any, x: Xfer) -> None:
     except Exception as exc:
         st, reason = "ERR", nixl_error(exc, "NIXL refused to post the transfer")
     with x.lock:
-        _apply(x, st, reason or "NIXL reported an error posting the transfer")
+        apply_state(x, st, reason or "NIXL reported an error posting the transfer")
 
 
-def post_inline(nx: Any, x: Xfer) -> None:
-    """``post_now`` for a request no other thread can see yet (``Backend.post`` runs it
-    before returning the handle, under the agent's lock): no lock is needed to change its
-    stage, and right after a copy has evicted the caches each lock costs microseconds."""
-    x.stage = Stage.POSTING
+def post_inline(nx: Any, handle: Any, notif: bytes) -> tuple[str, str]:
+    """NIXL's ``transfer()`` for a request no other thread can see yet (``Backend.post``
+    runs it before returning, under the agent's lock): its status (``DONE`` when the copy
+    ran inside the call, ``PROC``, ``ERR``) and, for an error, why."""
     try:
-        st, reason = nx.transfer(x.handle, x.notif), ""
+        return nx.transfer(handle, notif), ""
     except Exception as exc:
-        st, reason = "ERR", nixl_error(exc, "NIXL refused to post the transfer")
-    _apply(x, st, reason or "NIXL reported an error posting the transfer")
+        return "ERR", nixl_error(exc, "NIXL refused to post the transfer")
 
 
 def refresh(nx: Any, x: Xfer) -> None:
@@ -117,10 +117,11 @@ def refresh(nx: Any, x: Xfer) -> None:
             st, reason = nx.check_xfer_state(x.handle), ""
         except Exception as exc:
             st, reason = "ERR", nixl_error(exc, "NIXL failed the transfer")
-        _apply(x, st, reason or "NIXL reported the transfer failed (ERR)")
+        apply_state(x, st, reason or "NIXL reported the transfer failed (ERR)")
 
 
-def _apply(x: Xfer, st: str, reason: str) -> None:
+def apply_state(x: Xfer, st: str, reason: str = "") -> None:
+    """Record NIXL's status ``st`` of ``x`` (lock held, or ``x`` not yet shared)."""
     if st == "DONE":
         x.stage = Stage.DONE
     elif st == "PROC":
@@ -155,3 +156,13 @@ class Poster:
         self._q.put(None)
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+
+def _done_handle() -> Xfer:
+    x = Xfer(0, None, None, 0, lock=threading.Lock())
+    x.stage = Stage.DONE
+    return x
+
+
+#: The handle of every inline post NIXL finished inside ``transfer()``: nothing to track.
+DONE_INLINE = _done_handle()
