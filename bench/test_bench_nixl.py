@@ -75,7 +75,7 @@ BLOCK = 16 << 10
 CASES = {"16MiB": (1, 16 << 20), "256MiB": (1, 256 << 20), "4096x16KiB": (4096, BLOCK)}
 #: Counted rounds per system and case. Many for 16 MiB (~1 ms each): with 60, the median
 #: of the same code's 16 MiB cells moved by +-1.5 % between runs, as much as the margin
-#: the target leaves; with 600, by about +-0.8 % (measured 2026-12-05, see docs/NIXL.md).
+#: the target leaves; with 600, by about +-1 % (measured 2026-12-05, see docs/NIXL.md).
 ROUNDS = {"16MiB": 600, "256MiB": 36, "4096x16KiB": 72}
 #: Counted rounds are run in BLOCKS blocks per system, the systems' blocks interleaved.
 BLOCKS = 12
