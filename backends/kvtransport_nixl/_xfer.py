@@ -15,9 +15,10 @@ States (changed only under ``Xfer.lock``)::
     QUEUED --cancel--> FAILED (nothing was posted)
 
 An inline post (``Backend.post`` on the caller's thread) gets its Xfer only after
-``transfer()`` returned: IN_FLIGHT or FAILED, or, when NIXL finished it inside the call, the
-shared ``DONE_INLINE`` handle. A request in POSTING or IN_FLIGHT may still move bytes; in DONE or FAILED it cannot (NIXL
-reports a request finished only when its plugin completed or failed every operation).
+``transfer()`` returned: IN_FLIGHT or FAILED, or, when NIXL finished it inside the call,
+the shared ``DONE_INLINE`` handle. A request in POSTING or IN_FLIGHT may still move bytes;
+in DONE or FAILED it cannot (NIXL reports a request finished only when its plugin
+completed or failed every operation).
 """
 
 from __future__ import annotations
@@ -88,20 +89,17 @@ def post_now(nx: Any, x: Xfer) -> None:
         if x.stage is not Stage.QUEUED:  # cancelled while queued
             return
         x.stage = Stage.POSTING
-    try:
-        st, reason = nx.transfer(x.handle, x.notif), ""
-    except Exception as exc:
-        st, reason = "ERR", nixl_error(exc, "NIXL refused to post the transfer")
+    st, reason = transfer(nx, x.handle, x.notif)
     with x.lock:
-        apply_state(x, st, reason or "NIXL reported an error posting the transfer")
+        apply_state(x, st, reason)
 
 
-def post_inline(nx: Any, handle: Any, notif: bytes) -> tuple[str, str]:
-    """NIXL's ``transfer()`` for a request no other thread can see yet (``Backend.post``
-    runs it before returning, under the agent's lock): its status (``DONE`` when the copy
-    ran inside the call, ``PROC``, ``ERR``) and, for an error, why."""
+def transfer(nx: Any, handle: Any, notif: bytes) -> tuple[str, str]:
+    """NIXL's ``transfer()`` (posting a request; with cma the copy runs inside the call), for
+    the poster thread and for inline posts: its status (``DONE``, ``PROC``, ``ERR``) and
+    what a failure means (used only when it failed)."""
     try:
-        return nx.transfer(handle, notif), ""
+        return nx.transfer(handle, notif), "NIXL reported an error posting the transfer"
     except Exception as exc:
         return "ERR", nixl_error(exc, "NIXL refused to post the transfer")
 
@@ -120,7 +118,7 @@ def refresh(nx: Any, x: Xfer) -> None:
         apply_state(x, st, reason or "NIXL reported the transfer failed (ERR)")
 
 
-def apply_state(x: Xfer, st: str, reason: str = "") -> None:
+def apply_state(x: Xfer, st: str, reason: str) -> None:
     """Record NIXL's status ``st`` of ``x`` (lock held, or ``x`` not yet shared)."""
     if st == "DONE":
         x.stage = Stage.DONE

@@ -414,8 +414,9 @@ def test_one_local_segments_object_written_to_two_remote_places(two_proc):
 def test_inline_posts_finished_by_nixl_hold_no_request_per_transfer(two_proc):
     """A transfer NIXL finished inside ``post`` (the inline path) gives its request back at
     once: 200 posts of one preparation whose Transfers the caller keeps (unreleased) leave
-    no NIXL request tracked for those, at most ``IDLE_PER_PREP`` kept for re-posting, and
-    every post moved the bytes as they were; releasing the rest leaves nothing tracked."""
+    no NIXL request tracked for those and at most ``IDLE_PER_PREP`` kept for re-posting; the
+    last post moved the bytes as they were when it was posted; releasing the rest leaves
+    nothing tracked."""
     from kvtransport_nixl import _reuse
     from kvtransport_nixl._xfer import DONE_INLINE
 
