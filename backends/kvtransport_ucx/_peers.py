@@ -209,11 +209,16 @@ class Peers:
         self._w.wake()
 
     def shut(self, conn: Conn, force: bool) -> None:
-        """Close the connection's endpoints on every lane (lock held); reopened at the next post."""
-        for lane, ep, rkeys in zip(self._lanes, conn.eps, conn.lane_rkeys):
-            self._close_ep(lane, ep, rkeys, force)
+        """Close the connection's endpoints on every lane (lock held); reopened at the next post.
+
+        ``conn.eps`` is replaced *before* any endpoint is closed: a lane thread about to post
+        a share checks, under its lane's lock, that the list it was given is still the
+        connection's (``_transfers.DataPath._post_lane``)."""
+        eps, lane_rkeys = conn.eps, conn.lane_rkeys
         conn.eps, conn.lane_rkeys, conn.rk_ptrs, conn.rk_by_id = [], [], [], []
         conn.broken, conn.forced = True, force
+        for lane, ep, rkeys in zip(self._lanes, eps, lane_rkeys):
+            self._close_ep(lane, ep, rkeys, force)
 
     def drop(self, conn: Conn, reason: str) -> None:
         """Forget a connection (lock held): fail its transfers, close its endpoints."""

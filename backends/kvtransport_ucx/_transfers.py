@@ -23,6 +23,7 @@ Connections (endpoints, remote keys, peer failure) are :mod:`._peers`' job.
 from __future__ import annotations
 
 import ctypes
+import functools
 import time
 from collections.abc import Callable
 from ctypes import byref
@@ -66,7 +67,7 @@ def cut(parts: _Arrays, nbytes: int) -> tuple[_Arrays, _Arrays]:
 class Xfer:
     """Backend handle of one posted transfer."""
 
-    __slots__ = ("tid", "conn", "op", "notify", "stage", "flush", "am_req", "am_bufs",
+    __slots__ = ("tid", "conn", "op", "notify", "stage", "flush", "posting", "am_req", "am_bufs",
                  "reason", "error", "cancel_at")
 
     def __init__(self, tid: int, conn: Conn, op: Op, notify: bytes | None) -> None:
@@ -77,6 +78,8 @@ class Xfer:
         self.stage = "rma"  # rma -> notify -> done | failed
         #: One outstanding flush request per lane the transfer used: (lane, request).
         self.flush: list[tuple[Lane, int]] = []
+        #: Lanes whose progress thread has yet to post its share (it may still land).
+        self.posting = 0
         self.am_req: int | None = None
         self.am_bufs: Any = None
         self.reason = ""
@@ -86,7 +89,7 @@ class Xfer:
     @property
     def quiesced(self) -> bool:
         """No byte of this transfer can land any more."""
-        return not self.flush or self.conn.dead or self.conn.forced
+        return not self.posting and (not self.flush or self.conn.dead or self.conn.forced)
 
 
 class DataPath:
@@ -128,15 +131,22 @@ class DataPath:
             keys = [self._remote_keys(conn, k, rr) for k, _, _, _, _, rr in parts]  # refuse before posting
             conn.xfers.add(x)
             self.active.add(x)
-            # Lanes >= 1 first, then wake the progress thread: it copies their share while
-            # this thread posts and copies lane 0's (inline, below).
-            for (k, la, ra, ln, lr, _), rks in reversed(list(zip(parts, keys))):
-                self._post_lane(x, self._lanes[k], la, ra, ln, lr, rks)
-                self.lane_bytes[k] += int(ln.sum())
-                if k > 0:
-                    self._w.wake(k)
-            if self.opts.inline_progress_s > 0 and x.flush and x.flush[-1][0].index == 0:
-                self._progress_inline(x.flush[-1][1], time.perf_counter() + self.opts.inline_progress_s)
+            # Every lane's share is posted holding only that lane's lock: lanes >= 1 by
+            # their own progress threads, lane 0 by this thread once the state lock is
+            # released. Over tcp a post sends what the socket takes, so the shares go out
+            # in parallel; with cma each thread then copies its share (lane 0's inline).
+            eps = conn.eps
+            x.posting = len(parts)
+            for (k, la, ra, ln, lr, _), rks in zip(parts[1:], keys[1:]):
+                self._w.submit(k, functools.partial(self._post_share, x, self._lanes[k], eps, la, ra, ln, lr, rks))
+        k, la, ra, ln, lr, _ = parts[0]
+        lane0 = self._lanes[0]
+        st, r = self._post_lane(x, lane0, eps, la, ra, ln, lr, keys[0])
+        if r is not None and self.opts.inline_progress_s > 0 and U.ptr_status(r) == U.UCS_INPROGRESS:
+            self._progress_inline(r, time.perf_counter() + self.opts.inline_progress_s)
+        with self._w.lock:
+            x.posting -= 1
+            self._record(x, lane0, ln, st, r)
             self.advance(x)
             # Wake lane 0's thread only if it has something to finish: a transfer that
             # completed inline (the common cma case) must not pay a thread hand-off, and
@@ -147,23 +157,48 @@ class DataPath:
             self._w.wake()
         return x
 
-    def _post_lane(self, x: Xfer, lane: Lane, la: np.ndarray, ra: np.ndarray, ln: np.ndarray,
-                   lr: np.ndarray, rks: int | np.ndarray) -> None:
-        """Post one lane's share of a transfer, then its flush (state lock held)."""
-        if x.error:
-            return
-        conn = x.conn
-        ep, pp = conn.eps[lane.index], byref(self._param)
+    def _post_share(self, x: Xfer, lane: Lane, eps: list[int], la: np.ndarray, ra: np.ndarray,
+                    ln: np.ndarray, lr: np.ndarray, rks: int | np.ndarray) -> None:
+        """Lane ``lane``'s progress thread posts its share of ``x`` (no lock held), then
+        records it under the state lock."""
+        res = self._post_lane(x, lane, eps, la, ra, ln, lr, rks)
+        with self._w.lock:
+            x.posting -= 1
+            self._record(x, lane, ln, *res)
+            self.advance(x)
+
+    def _post_lane(self, x: Xfer, lane: Lane, eps: list[int], la: np.ndarray, ra: np.ndarray,
+                   ln: np.ndarray, lr: np.ndarray, rks: int | np.ndarray) -> tuple[int, int | None]:
+        """Post one lane's share of a transfer, then its flush, holding only the lane's
+        lock: (status of the first refused RMA post or 0, flush request or status), or
+        (0, None) when nothing was posted.
+
+        Nothing is posted once the transfer ended, the backend closed, or the connection's
+        endpoints changed since ``post`` (``eps`` is the list it saw): endpoints are closed
+        only after ``conn.eps`` was replaced (:meth:`._peers.Peers.shut`), each under its
+        lane's lock, so an endpoint seen here under that lock is still open."""
         with lane.lock:
+            if (x.error or x.stage != "rma" or self.closed or lane.worker is None
+                    or x.conn.eps is not eps or x.conn.broken):
+                return 0, None
+            ep = eps[lane.index]
             st = self._poster.post(x.op is Op.WRITE, ep, la, ra, ln, lr, rks)
-            if st:
-                self._rma_failed(x, st)
-            r = self._ucp.ucp_ep_flush_nbx(ep, pp)
+            return st, self._ucp.ucp_ep_flush_nbx(ep, byref(self._param))
+
+    def _record(self, x: Xfer, lane: Lane, ln: np.ndarray, rma_st: int, r: int | None) -> None:
+        """Account for one lane's posted share (state lock held)."""
+        if r is None:
+            if x.stage == "rma" and not x.error:
+                x.error = f"the endpoint to peer {x.conn.name!r} was closed while posting"
+            return
+        self.lane_bytes[lane.index] += int(ln.sum())
+        if rma_st:
+            self._rma_failed(x, rma_st)
         st = U.ptr_status(r)
         if st == U.UCS_INPROGRESS:
             x.flush.append((lane, r))
         elif st != U.UCS_OK:
-            x.error = x.error or f"flush to peer {conn.name!r} failed: {U.lib().status_string(st)}"
+            x.error = x.error or f"flush to peer {x.conn.name!r} failed: {U.lib().status_string(st)}"
 
     def _rma_failed(self, x: Xfer, status: int) -> None:
         x.error = (f"{'put' if x.op is Op.WRITE else 'get'} to peer {x.conn.name!r} "
@@ -202,7 +237,7 @@ class DataPath:
         raise KVTransportError(f"peer {conn.name!r} exported no remote key for a requested region")
 
     def _progress_inline(self, req: int, until: float) -> None:
-        """Drive lane 0 on the posting thread while it has work for this transfer (lock held).
+        """Drive lane 0 on the posting thread while it has work for this transfer.
 
         Why: with cma the copy itself runs inside ``ucp_worker_progress``. Doing it here, on
         the thread that posted, saves the hand-off to the progress thread (pipe write, epoll
@@ -225,6 +260,10 @@ class DataPath:
         if self._w.has_ep_errors:
             self._peers.absorb_ep_errors()
         if x.stage == "rma":
+            if x.posting:  # a lane's thread has yet to post its share
+                if x.conn.failed:
+                    self.fail(x, x.conn.failed)
+                return
             if x.flush:
                 for lane, r in x.flush:
                     if self._status(lane, r) == U.UCS_INPROGRESS:
@@ -293,7 +332,7 @@ class DataPath:
 
     def _finish(self, x: Xfer, stage: str) -> None:
         x.stage = stage
-        if not x.flush:
+        if not x.flush and not x.posting:  # else kept until its last request is freed
             self.active.discard(x)
             x.conn.xfers.discard(x)
         self._signal_progress()

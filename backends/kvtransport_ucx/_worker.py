@@ -38,15 +38,17 @@ AM_NOTIFY = 0x6B76  # "kv"
 
 
 class Lane:
-    """One UCP worker of the context, with its lock and event fd."""
+    """One UCP worker of the context, with its lock, event fd and job queue."""
 
-    __slots__ = ("index", "worker", "lock", "efd")
+    __slots__ = ("index", "worker", "lock", "efd", "jobs")
 
     def __init__(self, index: int, worker: c_void_p, lock: Any, efd: int) -> None:
         self.index = index
         self.worker = worker
         self.lock = lock
         self.efd = efd
+        #: Work handed to this lane's progress thread (see :meth:`UcpWorker.submit`).
+        self.jobs: deque[Callable[[], None]] = deque()
 
 
 class UcpWorker:
@@ -212,6 +214,23 @@ class UcpWorker:
         except (BlockingIOError, OSError, IndexError):
             pass  # pipe full: a wake-up is already pending
 
+    def submit(self, lane: int, job: Callable[[], None]) -> None:
+        """Run ``job()`` on lane ``lane``'s progress thread, before its next drain, with no
+        lock held. Why: over tcp posting *is* sending (UCX writes what the socket takes
+        inside the post call), so a transfer's shares must be posted by one thread per
+        lane to go out in parallel. Jobs still queued when the thread stops run then, so
+        each one can account for itself (the worker is gone by then: nothing is posted)."""
+        self.lanes[lane].jobs.append(job)
+        self.wake(lane)
+
+    def _run_jobs(self, lane: Lane) -> None:
+        jobs = lane.jobs
+        while jobs:
+            try:
+                jobs.popleft()()
+            except Exception:  # a dead progress thread would strand every transfer
+                _log.exception("ucx progress thread %s: job failed", lane.index)
+
     def progress_once(self) -> None:
         with self.lock:
             if self.worker is None:
@@ -243,6 +262,7 @@ class UcpWorker:
         try:
             while not self._stop:
                 self.rounds += 1
+                self._run_jobs(lane)
                 if not self._drain(lane):
                     return
                 with self.lock:
@@ -271,6 +291,7 @@ class UcpWorker:
                             pass
         finally:
             ep.close()
+            self._run_jobs(lane)
 
     # -- operations (caller holds nothing; we take the lock) -------------------------------
     def request_status(self, req: int) -> int:

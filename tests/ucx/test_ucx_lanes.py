@@ -6,6 +6,9 @@ data; and the split really happens (each lane carried bytes)."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -191,6 +194,77 @@ def test_peer_exporting_a_single_address_is_reached_on_every_lane():
         assert a.write(pa, ra.segments(*seg), pa.region(rb.id).segments(*seg)).wait().ok
         assert np.array_equal(x, y)
         assert all(n > 0 for n in a.describe()["bytes_per_lane"])
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("tls", ["tcp", "shm"])
+def test_each_lane_share_is_posted_by_that_lane_s_thread(tls, monkeypatch):
+    """Over tcp a post *sends* (UCX writes what the socket takes inside the call), so the
+    posting thread must not post every lane's share itself: lane k's share is posted by lane
+    k's progress thread, lane 0's by the caller, and the bytes are still exact."""
+    from kvtransport_ucx import _transfers as T
+
+    seen: list[tuple[int, str]] = []
+    real = T.DataPath._post_lane
+
+    def spy(self, x, lane, *args):
+        seen.append((lane.index, threading.current_thread().name))
+        return real(self, x, lane, *args)
+
+    monkeypatch.setattr(T.DataPath, "_post_lane", spy)
+    size = 6 << 20
+    rng = np.random.default_rng(11)
+    x, y = rng.integers(0, 256, size, dtype=np.uint8), np.zeros(size, np.uint8)
+    a = kvt.open("ucx", name=f"who-posts-a-{tls}", tls=tls, lanes=3, lane_split_bytes=0)
+    b = kvt.open("ucx", name=f"who-posts-b-{tls}", tls=tls, lanes=3)
+    try:
+        ra, rb = a.register(x), b.register(y)
+        pa = a.connect(b.metadata())
+        seg = np.array([0], np.int64), np.array([size], np.int64)
+        assert a.write(pa, ra.segments(*seg), pa.region(rb.id).segments(*seg), timeout=30).wait().ok
+        assert np.array_equal(x, y)
+        me = threading.current_thread().name
+        assert sorted(seen) == [(0, me), (1, f"kvt-ucx-progress-who-posts-a-{tls}-1"),
+                                (2, f"kvt-ucx-progress-who-posts-a-{tls}-2")], seen
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("end", ["disconnect", "close"])
+def test_split_transfers_cut_short_while_lanes_post_all_end_and_leave_nothing_behind(end):
+    """Transfers whose shares are still queued for, or being posted by, the lane threads when
+    their peer is disconnected or the agent closes: every one ends (DONE or FAILED), none is
+    left tracked, nothing crashes, and after a disconnect the next transfer is exact."""
+    size = 32 << 20
+    rng = np.random.default_rng(12)
+    x, y = rng.integers(0, 256, size, dtype=np.uint8), np.zeros(size, np.uint8)
+    a = kvt.open("ucx", name=f"cut-a-{end}", tls="tcp", lanes=3, lane_split_bytes=0)
+    b = kvt.open("ucx", name=f"cut-b-{end}", tls="tcp", lanes=3)
+    try:
+        ra, rb = a.register(x), b.register(y)
+        pa = a.connect(b.metadata())
+        seg = np.array([0], np.int64), np.array([size], np.int64)
+        ts = [a.write(pa, ra.segments(*seg), pa.region(rb.id).segments(*seg), timeout=30) for _ in range(8)]
+        if end == "disconnect":
+            a.disconnect(pa)
+        else:
+            a.close()
+        for t in ts:
+            st = t.wait(20)
+            assert st.done, "a transfer outlived the end of its peer's connection"
+        data = a._backend._data
+        deadline = time.monotonic() + 10
+        while data.active and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not data.active, f"{len(data.active)} transfers still tracked"
+        if end == "disconnect":
+            pa = a.connect(b.metadata())
+            y[:] = 0
+            assert a.write(pa, ra.segments(*seg), pa.region(rb.id).segments(*seg), timeout=30).wait().ok
+            assert np.array_equal(x, y)
     finally:
         a.close()
         b.close()
