@@ -6,7 +6,9 @@ Data path of one transfer (:meth:`DataPath.post`):
    lane 0); per lane one ``ucp_put_nbx`` / ``ucp_get_nbx`` per merged segment, straight from
    the numpy arrays of the :class:`~kvtransport.spi.PostRequest` (the core already merged
    contiguous runs); the per-op requests are released at once, UCX keeps them until they
-   complete;
+   complete. Lane k's share is posted by lane k's progress thread, lane 0's by the caller,
+   each holding only its lane's lock: over tcp posting is sending, and this way the shares
+   are sent in parallel;
 2. one ``ucp_ep_flush_nbx`` per lane used: it completes when every RMA issued before it on
    that endpoint completed *at the target*; the flushes are the only requests a transfer
    tracks;
