@@ -143,12 +143,12 @@ class DataPath:
                 self._w.submit(k, functools.partial(self._post_share, x, self._lanes[k], eps, la, ra, ln, lr, rks))
         k, la, ra, ln, lr, _ = parts[0]
         lane0 = self._lanes[0]
-        st, r = self._post_lane(x, lane0, eps, la, ra, ln, lr, keys[0])
+        st, r, broke = self._post_guarded(x, lane0, eps, la, ra, ln, lr, keys[0])
         if r is not None and self.opts.inline_progress_s > 0 and U.ptr_status(r) == U.UCS_INPROGRESS:
             self._progress_inline(r, time.perf_counter() + self.opts.inline_progress_s)
         with self._w.lock:
             x.posting -= 1
-            self._record(x, lane0, ln, st, r)
+            self._record(x, lane0, ln, st, r, broke)
             self.advance(x)
             # Wake lane 0's thread only if it has something to finish: a transfer that
             # completed inline (the common cma case) must not pay a thread hand-off, and
@@ -163,11 +163,20 @@ class DataPath:
                     ln: np.ndarray, lr: np.ndarray, rks: int | np.ndarray) -> None:
         """Lane ``lane``'s progress thread posts its share of ``x`` (no lock held), then
         records it under the state lock."""
-        res = self._post_lane(x, lane, eps, la, ra, ln, lr, rks)
+        st, r, broke = self._post_guarded(x, lane, eps, la, ra, ln, lr, rks)
         with self._w.lock:
             x.posting -= 1
-            self._record(x, lane, ln, *res)
+            self._record(x, lane, ln, st, r, broke)
             self.advance(x)
+
+    def _post_guarded(self, x: Xfer, lane: Lane, eps: list[int], la: np.ndarray, ra: np.ndarray,
+                      ln: np.ndarray, lr: np.ndarray, rks: int | np.ndarray) -> tuple[int, int | None, str]:
+        """:meth:`_post_lane`, plus what went wrong if it raised: a share must always be
+        accounted for, or its transfer would wait for it forever."""
+        try:
+            return (*self._post_lane(x, lane, eps, la, ra, ln, lr, rks), "")
+        except Exception as exc:  # noqa: BLE001 - reported as the transfer's failure
+            return 0, None, f"posting on lane {lane.index} failed: {exc!r}"
 
     def _post_lane(self, x: Xfer, lane: Lane, eps: list[int], la: np.ndarray, ra: np.ndarray,
                    ln: np.ndarray, lr: np.ndarray, rks: int | np.ndarray) -> tuple[int, int | None]:
@@ -187,11 +196,11 @@ class DataPath:
             st = self._poster.post(x.op is Op.WRITE, ep, la, ra, ln, lr, rks)
             return st, self._ucp.ucp_ep_flush_nbx(ep, byref(self._param))
 
-    def _record(self, x: Xfer, lane: Lane, ln: np.ndarray, rma_st: int, r: int | None) -> None:
-        """Account for one lane's posted share (state lock held)."""
+    def _record(self, x: Xfer, lane: Lane, ln: np.ndarray, rma_st: int, r: int | None, broke: str) -> None:
+        """Account for one lane's share (state lock held): its flush, or why it was not posted."""
         if r is None:
             if x.stage == "rma" and not x.error:
-                x.error = f"the endpoint to peer {x.conn.name!r} was closed while posting"
+                x.error = broke or f"the endpoint to peer {x.conn.name!r} was closed while posting"
             return
         self.lane_bytes[lane.index] += int(ln.sum())
         if rma_st:

@@ -219,7 +219,8 @@ class UcpWorker:
         lock held. Why: over tcp posting *is* sending (UCX writes what the socket takes
         inside the post call), so a transfer's shares must be posted by one thread per
         lane to go out in parallel. Jobs still queued when the thread stops run then, so
-        each one can account for itself (the worker is gone by then: nothing is posted)."""
+        each one can account for itself (the owner closed its connections before stopping
+        the threads, so a posting job finds nothing to post on)."""
         self.lanes[lane].jobs.append(job)
         self.wake(lane)
 

@@ -268,3 +268,48 @@ def test_split_transfers_cut_short_while_lanes_post_all_end_and_leave_nothing_be
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("lane", [0, 1])
+def test_a_share_whose_post_raises_fails_its_transfer_instead_of_stranding_it(lane, monkeypatch):
+    """If posting one lane's share raises (a bug, a library refusing), the transfer must not
+    wait for that share forever: it ends FAILED naming the lane, quiesced once the other
+    shares' bytes landed, nothing stays tracked, and the agent keeps working."""
+    from kvtransport_ucx import _transfers as T
+
+    real = T.DataPath._post_lane
+    armed = [True]
+
+    def boom(self, x, ln_, *args):
+        if ln_.index == lane and armed[0]:
+            raise RuntimeError("injected posting failure")
+        return real(self, x, ln_, *args)
+
+    monkeypatch.setattr(T.DataPath, "_post_lane", boom)
+    size = 6 << 20
+    x, y = np.random.default_rng(13).integers(0, 256, size, dtype=np.uint8), np.zeros(size, np.uint8)
+    a = kvt.open("ucx", name=f"boom-a-{lane}", tls="tcp", lanes=2, lane_split_bytes=0)
+    b = kvt.open("ucx", name=f"boom-b-{lane}", tls="tcp", lanes=2)
+    try:
+        ra, rb = a.register(x), b.register(y)
+        pa = a.connect(b.metadata())
+        seg = np.array([0], np.int64), np.array([size], np.int64)
+        t = a.write(pa, ra.segments(*seg), pa.region(rb.id).segments(*seg), timeout=30)
+        st = t.wait(20)
+        assert st.done and not st.ok
+        assert f"posting on lane {lane} failed" in st.reason and "injected" in st.reason, st.reason
+        deadline = time.monotonic() + 10
+        while not t.status().quiesced and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert t.status().quiesced
+        t.release()
+        data = a._backend._data
+        while data.active and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not data.active
+        armed[0] = False
+        assert a.write(pa, ra.segments(*seg), pa.region(rb.id).segments(*seg), timeout=30).wait().ok
+        assert np.array_equal(x, y)
+    finally:
+        a.close()
+        b.close()
