@@ -199,6 +199,29 @@ def test_peer_exporting_a_single_address_is_reached_on_every_lane():
         b.close()
 
 
+
+class _Pair:
+    """Agent ``a`` (every transfer split over its lanes) connected to agent ``b``, and a WRITE
+    of all of ``x`` (registered on a) into ``y`` (registered on b)."""
+
+    def __init__(self, name: str, tls: str, lanes: int, size: int, seed: int) -> None:
+        self.x = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+        self.y = np.zeros(size, np.uint8)
+        self.a = kvt.open("ucx", name=f"{name}-a", tls=tls, lanes=lanes, lane_split_bytes=0)
+        self.b = kvt.open("ucx", name=f"{name}-b", tls=tls, lanes=lanes)
+        self.ra, self.rb = self.a.register(self.x), self.b.register(self.y)
+        self.peer = self.a.connect(self.b.metadata())
+        self._seg = np.array([0], np.int64), np.array([size], np.int64)
+
+    def write(self, **kw):
+        src = self.ra.segments(*self._seg)
+        return self.a.write(self.peer, src, self.peer.region(self.rb.id).segments(*self._seg), timeout=30, **kw)
+
+    def close(self) -> None:
+        self.a.close()
+        self.b.close()
+
+
 @pytest.mark.parametrize("tls", ["tcp", "shm"])
 def test_each_lane_share_is_posted_by_that_lane_s_thread(tls, monkeypatch):
     """Over tcp a post *sends* (UCX writes what the socket takes inside the call), so the
@@ -214,23 +237,24 @@ def test_each_lane_share_is_posted_by_that_lane_s_thread(tls, monkeypatch):
         return real(self, x, lane, *args)
 
     monkeypatch.setattr(T.DataPath, "_post_lane", spy)
-    size = 6 << 20
-    rng = np.random.default_rng(11)
-    x, y = rng.integers(0, 256, size, dtype=np.uint8), np.zeros(size, np.uint8)
-    a = kvt.open("ucx", name=f"who-posts-a-{tls}", tls=tls, lanes=3, lane_split_bytes=0)
-    b = kvt.open("ucx", name=f"who-posts-b-{tls}", tls=tls, lanes=3)
+    p = _Pair(f"who-posts-{tls}", tls, 3, 6 << 20, 11)
     try:
-        ra, rb = a.register(x), b.register(y)
-        pa = a.connect(b.metadata())
-        seg = np.array([0], np.int64), np.array([size], np.int64)
-        assert a.write(pa, ra.segments(*seg), pa.region(rb.id).segments(*seg), timeout=30).wait().ok
-        assert np.array_equal(x, y)
+        assert p.write().wait().ok
+        assert np.array_equal(p.x, p.y)
         me = threading.current_thread().name
-        assert sorted(seen) == [(0, me), (1, f"kvt-ucx-progress-who-posts-a-{tls}-1"),
-                                (2, f"kvt-ucx-progress-who-posts-a-{tls}-2")], seen
+        assert sorted(seen) == [(0, me), (1, f"kvt-ucx-progress-who-posts-{tls}-a-1"),
+                                (2, f"kvt-ucx-progress-who-posts-{tls}-a-2")], seen
     finally:
-        a.close()
-        b.close()
+        p.close()
+
+
+def _until_untracked(agent) -> None:
+    """Wait (bounded) until the agent's ucx data path tracks no transfer; assert it."""
+    data = agent._backend._data
+    deadline = time.monotonic() + 10
+    while data.active and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not data.active, f"{len(data.active)} transfers still tracked"
 
 
 @pytest.mark.parametrize("end", ["disconnect", "close"])
@@ -238,36 +262,23 @@ def test_split_transfers_cut_short_while_lanes_post_all_end_and_leave_nothing_be
     """Transfers whose shares are still queued for, or being posted by, the lane threads when
     their peer is disconnected or the agent closes: every one ends (DONE or FAILED), none is
     left tracked, nothing crashes, and after a disconnect the next transfer is exact."""
-    size = 32 << 20
-    rng = np.random.default_rng(12)
-    x, y = rng.integers(0, 256, size, dtype=np.uint8), np.zeros(size, np.uint8)
-    a = kvt.open("ucx", name=f"cut-a-{end}", tls="tcp", lanes=3, lane_split_bytes=0)
-    b = kvt.open("ucx", name=f"cut-b-{end}", tls="tcp", lanes=3)
+    p = _Pair(f"cut-{end}", "tcp", 3, 32 << 20, 12)
     try:
-        ra, rb = a.register(x), b.register(y)
-        pa = a.connect(b.metadata())
-        seg = np.array([0], np.int64), np.array([size], np.int64)
-        ts = [a.write(pa, ra.segments(*seg), pa.region(rb.id).segments(*seg), timeout=30) for _ in range(8)]
+        ts = [p.write() for _ in range(8)]
         if end == "disconnect":
-            a.disconnect(pa)
+            p.a.disconnect(p.peer)
         else:
-            a.close()
+            p.a.close()
         for t in ts:
-            st = t.wait(20)
-            assert st.done, "a transfer outlived the end of its peer's connection"
-        data = a._backend._data
-        deadline = time.monotonic() + 10
-        while data.active and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not data.active, f"{len(data.active)} transfers still tracked"
+            assert t.wait(20).done, "a transfer outlived the end of its peer's connection"
+        _until_untracked(p.a)
         if end == "disconnect":
-            pa = a.connect(b.metadata())
-            y[:] = 0
-            assert a.write(pa, ra.segments(*seg), pa.region(rb.id).segments(*seg), timeout=30).wait().ok
-            assert np.array_equal(x, y)
+            p.peer = p.a.connect(p.b.metadata())
+            p.y[:] = 0
+            assert p.write().wait().ok
+            assert np.array_equal(p.x, p.y)
     finally:
-        a.close()
-        b.close()
+        p.close()
 
 
 @pytest.mark.parametrize("lane", [0, 1])
@@ -286,15 +297,9 @@ def test_a_share_whose_post_raises_fails_its_transfer_instead_of_stranding_it(la
         return real(self, x, ln_, *args)
 
     monkeypatch.setattr(T.DataPath, "_post_lane", boom)
-    size = 6 << 20
-    x, y = np.random.default_rng(13).integers(0, 256, size, dtype=np.uint8), np.zeros(size, np.uint8)
-    a = kvt.open("ucx", name=f"boom-a-{lane}", tls="tcp", lanes=2, lane_split_bytes=0)
-    b = kvt.open("ucx", name=f"boom-b-{lane}", tls="tcp", lanes=2)
+    p = _Pair(f"boom-{lane}", "tcp", 2, 6 << 20, 13)
     try:
-        ra, rb = a.register(x), b.register(y)
-        pa = a.connect(b.metadata())
-        seg = np.array([0], np.int64), np.array([size], np.int64)
-        t = a.write(pa, ra.segments(*seg), pa.region(rb.id).segments(*seg), timeout=30)
+        t = p.write()
         st = t.wait(20)
         assert st.done and not st.ok
         assert f"posting on lane {lane} failed" in st.reason and "injected" in st.reason, st.reason
@@ -303,13 +308,9 @@ def test_a_share_whose_post_raises_fails_its_transfer_instead_of_stranding_it(la
             time.sleep(0.01)
         assert t.status().quiesced
         t.release()
-        data = a._backend._data
-        while data.active and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not data.active
+        _until_untracked(p.a)
         armed[0] = False
-        assert a.write(pa, ra.segments(*seg), pa.region(rb.id).segments(*seg), timeout=30).wait().ok
-        assert np.array_equal(x, y)
+        assert p.write().wait().ok
+        assert np.array_equal(p.x, p.y)
     finally:
-        a.close()
-        b.close()
+        p.close()
