@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -43,10 +44,25 @@ __all__ = [
     "PollState",
     "PollResult",
     "Backend",
+    "usable_cpus",
 ]
 
 #: Bumped when the SPI changes incompatibly. Backends may check it in ``probe``.
 SPI_VERSION = 1
+
+
+def usable_cpus() -> int:
+    """How many CPUs the calling thread may run on (its affinity mask; at least 1).
+
+    Backends size their copy threads / lanes by it rather than by ``os.cpu_count()``: an
+    engine pinned to one core (vLLM on CPU with ``VLLM_CPU_OMP_THREADS_BIND``) starts every
+    thread it creates later, ours included, on that core, where a second copy thread cannot
+    copy in parallel and only adds hand-offs between threads (measured in docs/UCX.md).
+    """
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux: no affinity masks
+        return max(1, os.cpu_count() or 1)
 
 
 class Op(enum.IntEnum):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtransport.process_identity import ProcessIdentity, boot_id, pid_namespace, process_start_time
+from kvtransport.process_identity import ProcessIdentity, ProcessWatch, boot_id, pid_namespace, process_start_time
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux /proc")
 
@@ -116,3 +116,44 @@ def test_command_name_with_spaces_and_parentheses(tmp_path: Path) -> None:
         child.wait()
         child.stdout.close()
     assert ident.is_alive() is False
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_watch_answers_as_the_identity_does_through_zombie_and_reaping() -> None:
+    """ProcessWatch keeps the stat file open (one pread per question): the same answers as
+    ProcessIdentity at every stage of a child's life, and the file closes with the watch."""
+    before = _open_fds()
+    child = _waiting_child()
+    try:
+        ident = ProcessIdentity(child.pid, process_start_time(child.pid), boot_id())
+        watch = ProcessWatch(ident)
+        opened = _open_fds() - before
+        assert len(opened - {"0", "1", "2"}) >= 1  # the stat file (plus the child's pipes)
+        assert watch.is_alive() is True and watch.is_alive() is True  # re-read, same answer
+    finally:
+        child.stdin.close()
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # a zombie, not reaped
+    assert watch.is_alive() is False and ident.is_alive() is False
+    assert child.wait() == 0
+    child.stdout.close()
+    assert watch.is_alive() is False  # reaped: the open file reads ESRCH
+    forged = ProcessWatch(ProcessIdentity(os.getpid(), ProcessIdentity.current().start_time + 1, boot_id()))
+    assert forged.is_alive() is False
+    del watch, forged  # garbage-collected: their files are closed
+    assert _open_fds() <= before | {str(fd) for fd in range(3)}
+
+
+def test_watch_that_cannot_open_the_file_or_was_closed_falls_back_to_the_identity() -> None:
+    me = ProcessIdentity.current()
+    other_boot = ProcessWatch(ProcessIdentity(me.pid, me.start_time, "00000000-0000-0000-0000-000000000000"))
+    assert other_boot.is_alive() is None  # not checkable here: nothing opened, same answer
+    gone = ProcessWatch(ProcessIdentity(0x7FFFFFFF, 1, me.boot_id))
+    assert gone.is_alive() is False  # no such pid: the open failed, the identity answers
+    w = ProcessWatch(me)
+    before = _open_fds()
+    w.close()
+    assert len(before - _open_fds()) == 1  # exactly the stat file was closed
+    assert w.is_alive() is True  # answered by reading /proc as before
