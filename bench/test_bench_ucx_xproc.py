@@ -68,6 +68,10 @@ KVT_OPTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 NIXL_TLS = {"nixl-shm": "sysv,posix,cma", "nixl-tcp": "tcp"}
 RUNS = int(os.environ.get("KVT_BENCH_RUNS", "5"))
+#: KVT_BENCH_PIN="0,1" pins the initiator to CPU 0 and the target to CPU 1 (every thread the
+#: systems start inherits it), as two vLLM engines pinned with VLLM_CPU_OMP_THREADS_BIND run.
+#: Unset (default): the scheduler places threads freely.
+PIN = [int(c) for c in os.environ.get("KVT_BENCH_PIN", "").split(",") if c.strip()]
 OUT = os.environ.get("KVT_BENCH_XPROC_OUT", "/tmp/kvt_bench_ucx_xproc.json")
 
 
@@ -111,7 +115,14 @@ def _nixl_agent(m, name: str, system: str, progress_thread: bool):
     return ag
 
 
+def _pin(index: int) -> None:
+    """Pin this thread (and the threads it starts later) to ``PIN[index]``, if pinning is on."""
+    if len(PIN) > index:
+        os.sched_setaffinity(0, {PIN[index]})
+
+
 def _target_main(conn) -> None:  # pragma: no cover - runs in the child
+    _pin(1)
     buf = np.zeros(BUF, np.uint8)
     buf[:] = _pattern(1, BUF)  # every page touched before any system runs
     cur: Any = None
@@ -157,6 +168,7 @@ class _Bench:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_target_main, args=(child,), daemon=True)
         self.proc.start()
+        _pin(0)
         self.buf = np.zeros(BUF, np.uint8)
         self.buf[:] = _pattern(2, BUF)
         self.mirror = _pattern(1, BUF).copy()  # memcpy's source: a local buffer like the target's

@@ -20,6 +20,7 @@ import ctypes
 import importlib.machinery
 import itertools
 import os
+import time
 from ctypes import POINTER, byref, c_int64, c_uint64, c_void_p
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,9 @@ def library() -> tuple[ctypes.CDLL | None, str]:
                 f.argtypes = [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,
                               c_void_p, c_int64, c_void_p, c_int64, c_int64,
                               POINTER(c_int64), POINTER(c_int64)]
+                d = lib.kvt_progress_while
+                d.restype = c_int64
+                d.argtypes = [c_void_p, c_void_p, c_void_p, c_void_p, ctypes.c_int, c_int64]
                 m = lib.kvt_memcpy_segments
                 m.restype = c_uint64
                 m.argtypes = [c_void_p, c_void_p, c_void_p, c_int64]
@@ -104,6 +108,26 @@ class Poster:
         #: libucp addresses handed to the C loop: _rma[is_write] -> get / put.
         self._rma = (fn_address(ucp.ucp_get_nbx), fn_address(ucp.ucp_put_nbx))
         self._free = fn_address(ucp.ucp_request_free)
+        self._progress = fn_address(ucp.ucp_worker_progress)
+        self._check = fn_address(ucp.ucp_request_check_status)
+
+    def drive(self, worker: int, req: int, inprogress: int, budget_s: float) -> int:
+        """Progress ``worker`` while ``req`` is in progress and UCX does work, for at most
+        ``budget_s`` (the caller holds the worker's lock); the calls that did work.
+
+        Compiled: one call into ``kvt_progress_while`` without the GIL (with cma each
+        progress call copies one 512 KiB fragment: 32 per 16 MiB, ~3 us each from Python).
+        Fallback: the same loop in Python."""
+        if self._lib is not None:
+            return self._lib.kvt_progress_while(self._progress, self._check, worker, req, inprogress,
+                                                int(budget_s * 1e9))
+        progress, check = self._ucp.ucp_worker_progress, self._ucp.ucp_request_check_status
+        until, rounds = time.perf_counter() + budget_s, 0
+        while check(req) == inprogress and progress(worker):
+            rounds += 1
+            if time.perf_counter() >= until:
+                break
+        return rounds
 
     def post(self, write: bool, ep: int, la: np.ndarray, ra: np.ndarray, ln: np.ndarray,
              lr: np.ndarray, rks: int | np.ndarray) -> int:

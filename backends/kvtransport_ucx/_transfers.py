@@ -145,7 +145,7 @@ class DataPath:
         lane0 = self._lanes[0]
         st, r, broke = self._post_guarded(x, lane0, eps, la, ra, ln, lr, keys[0])
         if r is not None and self.opts.inline_progress_s > 0 and U.ptr_status(r) == U.UCS_INPROGRESS:
-            self._progress_inline(r, time.perf_counter() + self.opts.inline_progress_s)
+            self._progress_inline(r, self.opts.inline_progress_s)
         with self._w.lock:
             x.posting -= 1
             self._record(x, lane0, ln, st, r, broke)
@@ -218,12 +218,12 @@ class DataPath:
     def split(self, req: PostRequest) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
         """Share a transfer's bytes evenly across the lanes: (lane, local addresses, remote
         addresses, lengths, local regions, remote regions) per lane. Below
-        ``lane_split_bytes`` everything goes to lane 0 (a hand-off to the progress thread
-        costs more than it saves). At most one segment per boundary is cut in two."""
+        :meth:`._options.UcxOptions.split_bytes` everything goes to lane 0 (a hand-off to the
+        progress thread costs more than it saves). At most one segment per boundary is cut in two."""
         rest = (req.local_addr, req.remote_addr, req.length, req.local_region, req.remote_region)
         n = len(self._lanes)
         total = int(req.length.sum())
-        if n == 1 or total < self.opts.lane_split_bytes:
+        if n == 1 or total < self.opts.split_bytes(req.peer.same_host):
             return [(0, *rest)]
         parts = []
         for k in range(n - 1):
@@ -247,23 +247,21 @@ class DataPath:
                 return conn.rk_ptrs[lane][idx]
         raise KVTransportError(f"peer {conn.name!r} exported no remote key for a requested region")
 
-    def _progress_inline(self, req: int, until: float) -> None:
+    def _progress_inline(self, req: int, budget_s: float) -> None:
         """Drive lane 0 on the posting thread while it has work for this transfer.
 
         Why: with cma the copy itself runs inside ``ucp_worker_progress``. Doing it here, on
         the thread that posted, saves the hand-off to the progress thread (pipe write, epoll
         wake-up, lock and GIL hand-overs), which cost ~0.5 ms on a 16 MiB transfer, a third
         of its copy time. It stops as soon as UCX reports nothing to do (RDMA: the NIC is
-        copying; tcp: waiting on the peer), so it never spins idle, and at ``until``
+        copying; tcp: waiting on the peer), so it never spins idle, and after ``budget_s``
         (option ``inline_progress_s``) so a large transfer does not hold the caller long;
-        the progress thread finishes the rest.
+        the progress thread finishes the rest. The loop runs in C where ``_post.c`` was built
+        (:meth:`._native.Poster.drive`).
         """
         lane = self._lanes[0]
-        progress, worker = self._ucp.ucp_worker_progress, lane.worker
-        check = self._ucp.ucp_request_check_status
         with lane.lock:
-            while check(req) == U.UCS_INPROGRESS and progress(worker) and time.perf_counter() < until:
-                pass
+            self._poster.drive(lane.worker, req, U.UCS_INPROGRESS, budget_s)
 
     # -- completion -------------------------------------------------------------------------
     def advance(self, x: Xfer) -> None:

@@ -50,8 +50,8 @@ def test_tcp_segment_tuning_yields_to_a_users_setting_of_either_size(ucx_config)
     n = 3 << 20  # above lane_split_bytes: both lanes carry a share
     src = np.frombuffer(np.random.default_rng(7).bytes(n), np.uint8).copy()
     dst = np.zeros(n, np.uint8)
-    with kvt.open("ucx", name="seg-a", tls="tcp", ucx_config=ucx_config) as a, \
-            kvt.open("ucx", name="seg-b", tls="tcp", ucx_config=ucx_config) as b:
+    with kvt.open("ucx", name="seg-a", tls="tcp", lanes=2, ucx_config=ucx_config) as a, \
+            kvt.open("ucx", name="seg-b", tls="tcp", lanes=2, ucx_config=ucx_config) as b:
         ra, rb = a.register(dst), b.register(src)
         peer = a.connect(b.metadata())
         assert a.read(peer, ra.whole(), peer.region(rb.id).whole()).wait(60).ok

@@ -6,6 +6,7 @@ data; and the split really happens (each lane carried bytes)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -14,6 +15,7 @@ import pytest
 
 import kvtransport as kvt
 from kvtransport.errors import BackendOptionError
+from kvtransport.testing.pinning import call_on_one_cpu
 from kvtransport_ucx._transfers import cut as _cut
 from ucx_helpers import (
     SENTINEL,
@@ -67,6 +69,47 @@ def test_bad_lane_options_are_refused(opts):
     with pytest.raises(BackendOptionError) as ei:
         kvt.open("ucx", name="bad-lanes", **opts)
     assert list(opts)[0] in str(ei.value)
+
+
+def test_an_agent_opened_on_one_cpu_has_one_lane_by_default_and_still_moves_every_byte():
+    """Inside an engine pinned to one core every thread shares that core, so a second lane
+    cannot copy in parallel and only adds hand-offs (two processes pinned to one core each:
+    16 MiB over shm 0.79x NIXL with two lanes, docs/UCX.md). An explicit ``lanes`` wins."""
+    n = 3 << 20  # above lane_split_bytes: two lanes would share it
+    src = np.frombuffer(np.random.default_rng(3).bytes(n), np.uint8).copy()
+    dst = np.zeros(n, np.uint8)
+
+    def pinned() -> tuple[int, int, int]:
+        with kvt.open("ucx", name="one-cpu-a", tls="shm") as a, kvt.open("ucx", name="one-cpu-b", tls="shm") as b:
+            ra, rb = a.register(dst), b.register(src)
+            peer = a.connect(b.metadata())
+            assert a.read(peer, ra.whole(), peer.region(rb.id).whole()).wait(60).ok
+            with kvt.open("ucx", name="one-cpu-c", tls="shm", lanes=2) as c:
+                return a.describe()["lanes"], b.describe()["lanes"], c.describe()["lanes"]
+
+    assert call_on_one_cpu(pinned) == (1, 1, 2)
+    assert dst.tobytes() == src.tobytes()
+    with kvt.open("ucx", name="all-cpus", tls="shm") as d:
+        assert d.describe()["lanes"] == min(2, len(os.sched_getaffinity(0)))
+
+
+@pytest.mark.parametrize("tls, size, split", [("shm", 4 << 20, False), ("shm", 12 << 20, True),
+                                              ("tcp", 4 << 20, True), ("tcp", 1 << 20, False)])
+def test_default_split_size_is_larger_for_cma_copies_than_over_the_network(tls, size, split):
+    """With cma a lane thread's hand-off costs more than it saves below 8 MiB (one 4 MiB READ
+    between two processes: 338 us split, 225 us on lane 0); over tcp a READ gains from 4 MiB
+    on, so the network threshold stays 2 MiB. ``bytes_per_lane`` shows where the bytes went."""
+    rng = np.random.default_rng(size + len(tls))
+    src, dst = rng.integers(0, 256, size, dtype=np.uint8), np.zeros(size, np.uint8)
+    with kvt.open("ucx", name=f"auto-split-a-{tls}", tls=tls, lanes=2) as a, \
+            kvt.open("ucx", name=f"auto-split-b-{tls}", tls=tls, lanes=2) as b:
+        ra, rb = a.register(dst), b.register(src)
+        peer = a.connect(b.metadata())
+        assert a.read(peer, ra.whole(), peer.region(rb.id).whole()).wait(60).ok
+        per_lane = a.describe()["bytes_per_lane"]
+    assert dst.tobytes() == src.tobytes()
+    assert sum(per_lane) == size
+    assert (per_lane[1] > 0) is split, per_lane
 
 
 @pytest.mark.parametrize("tls", [o["tls"] for o in TLS_OPTIONS])

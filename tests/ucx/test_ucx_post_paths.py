@@ -73,7 +73,7 @@ def test_both_paths_move_ragged_two_region_segment_lists_byte_exact(tls, path, o
     some adjacent on one side or both; split over two lanes (the transfer exceeds lane_split_bytes)."""
     size, n = 4 << 20, 600
     rng = np.random.default_rng(7)
-    opts = dict(tls=tls, post=path, lane_split_bytes=1 << 16)
+    opts = dict(tls=tls, post=path, lanes=2, lane_split_bytes=1 << 16)
     with kvt.open("ucx", name=f"pp-i-{tls}-{path}", **opts) as a, \
             kvt.open("ucx", name=f"pp-t-{tls}-{path}", **opts) as b:
         assert a.describe()["post_path"] == path
@@ -147,3 +147,29 @@ def test_c_loop_stops_at_a_refused_post_and_names_it_glue_only():
     ops, calls, freed, st, at = _run_loop([0, 100, 200], [0, 100, 200], [10, 10, 10], [1], [2], refuse_at=1)
     assert ops == 1 and len(calls) == 2 and st == -3 and at == 1
     assert len(freed) == 1  # only the accepted request; an error status is not a request
+
+
+@pytest.mark.parametrize("path", ["native", "ctypes"])
+def test_inline_progress_drives_a_cma_copy_to_its_end_on_both_paths(path):
+    """``post`` drives lane 0 on the caller's thread (``Poster.drive``: the C loop, or the
+    Python loop of the fallback). With cma each progress call copies one 512 KiB fragment, so
+    a 4 MiB READ takes 8 calls: with a budget that cannot run out the transfer is DONE when
+    ``post`` returns (the loop went on to the end, not one call); with a budget of a
+    nanosecond the progress thread finishes it. Every byte is checked both times."""
+    n = 4 << 20
+    src = np.frombuffer(np.random.default_rng(11).bytes(n), np.uint8).copy()
+    for budget, done_at_post in ((1.0, True), (1e-9, None)):
+        dst = np.zeros(n, np.uint8)
+        with kvt.open("ucx", name=f"drive-a-{path}", tls="shm", post=path, lanes=1, inline_progress_s=budget) as a, \
+                kvt.open("ucx", name=f"drive-b-{path}", tls="shm", post=path, lanes=1) as b:
+            ra, rb = a.register(dst), b.register(src)
+            peer = a.connect(b.metadata())
+            # The first transfer also completes the endpoints' wire-up, which needs the
+            # peer's progress: only the second one is all cma copy.
+            assert a.read(peer, ra.whole(), peer.region(rb.id).whole()).wait(60).ok
+            dst[:] = 0
+            t = a.read(peer, ra.whole(), peer.region(rb.id).whole())
+            if done_at_post:
+                assert t.status().ok  # DONE, not PENDING
+            assert t.wait(60).ok
+        assert dst.tobytes() == src.tobytes()
