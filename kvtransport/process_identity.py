@@ -156,7 +156,7 @@ class ProcessWatch:
             try:
                 self._fd = os.open(f"/proc/{ident.pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
             except OSError:
-                self._fd = -1
+                pass  # answered by ProcessIdentity.is_alive each time
         self._closer = weakref.finalize(self, os.close, self._fd) if self._fd >= 0 else None
 
     def is_alive(self) -> bool | None:

@@ -82,8 +82,9 @@ class Conn:
         #: Whether to check the peer's process after each flush: same host, other process
         #: (an agent of our own process cannot outlive us).
         self.watch_process = self.same_host and self.ident.pid != os.getpid()
-        #: Keeps the peer's stat file open: the check after each flush costs ~3 us, not ~14.
-        self.watch = ProcessWatch(self.ident) if self.watch_process else None
+        #: Answers "is the peer's process still there" (``ProcessWatch``: its stat file kept
+        #: open, ~3 us per check after a flush instead of ~14; not checkable -> None).
+        self.watch = ProcessWatch(self.ident)
         self.failed: str | None = None  # set once the peer is known failed
         self.dead = False  # the peer process is confirmed gone (nothing more can land)
         self.broken = False  # our endpoint was closed: reopen before the next post
@@ -92,8 +93,7 @@ class Conn:
 
     def process_gone(self) -> bool:
         """Same-host peer whose process exited, is exiting, or whose pid was recycled."""
-        alive = self.watch.is_alive() if self.watch is not None else self.ident.is_alive()
-        return self.same_host and not alive
+        return self.same_host and not self.watch.is_alive()
 
 
 class Peers:

@@ -110,6 +110,8 @@ class DataPath:
         self.active: set[Xfer] = set()
         self._sends: list[tuple[int, Any]] = []  # standalone AM requests + their buffers
         self.lane_bytes = [0] * len(self._lanes)  # bytes posted per lane (describe())
+        #: Split threshold by "peer on this host" (False, True), fixed by the options.
+        self._split_bytes = (opts.split_bytes(False), opts.split_bytes(True))
         self._param = U.ucp_request_param_t()  # no callback: requests are polled
         self._am_param = U.ucp_request_param_t()
         self._am_param.op_attr_mask = U.UCP_OP_ATTR_FIELD_FLAGS
@@ -141,7 +143,7 @@ class DataPath:
             x.posting = len(parts)
             for (k, la, ra, ln, lr, _), rks in zip(parts[1:], keys[1:]):
                 self._w.submit(k, functools.partial(self._post_share, x, self._lanes[k], eps, la, ra, ln, lr, rks))
-        k, la, ra, ln, lr, _ = parts[0]
+        _, la, ra, ln, lr, _ = parts[0]
         lane0 = self._lanes[0]
         st, r, broke = self._post_guarded(x, lane0, eps, la, ra, ln, lr, keys[0])
         if r is not None and self.opts.inline_progress_s > 0 and U.ptr_status(r) == U.UCS_INPROGRESS:
@@ -223,7 +225,7 @@ class DataPath:
         rest = (req.local_addr, req.remote_addr, req.length, req.local_region, req.remote_region)
         n = len(self._lanes)
         total = int(req.length.sum())
-        if n == 1 or total < self.opts.split_bytes(req.peer.same_host):
+        if n == 1 or total < self._split_bytes[req.peer.same_host]:
             return [(0, *rest)]
         parts = []
         for k in range(n - 1):

@@ -13,8 +13,9 @@ what lets peers read and write our memory without any call from the application.
 Why more than one lane: a UCP worker is serial, and with cma the copy itself runs inside
 ``ucp_worker_progress``. Two workers let two threads copy the two halves of a large transfer
 on two cores (the posting thread posts and starts lane 0's share inline, lane 1's thread
-posts and copies the other half; over tcp the two threads send at once). Every lane's address is exported; a peer connects its lane k to our lane k
-(modulo our lane count), and notifications always travel lane 0 to lane 0.
+posts and copies the other half; over tcp the two threads send at once). Every lane's
+address is exported; a peer connects its lane k to our lane k (modulo our lane count), and
+notifications always travel lane 0 to lane 0.
 """
 
 from __future__ import annotations
