@@ -4,7 +4,8 @@
  * Why this file exists: posting from Python costs ~1.5-1.9 us per segment (a ctypes call
  * plus the loop), which on 4096 x 16 KiB scattered blocks is as much as UCX's own work.
  * Here the loop over segments runs in C, without the GIL (ctypes releases it around the
- * call), and adjacent segments are merged into one operation.
+ * call), and adjacent segments are merged into one operation. kvt_post_share does all of one
+ * lane's share of a transfer in one call: post, flush, drive the worker, check the flush.
  *
  * No UCX header is needed: the backend hands over the addresses of ucp_put_nbx /
  * ucp_get_nbx and ucp_request_free from the libucp it already loaded, so this library
@@ -76,9 +77,11 @@ int64_t kvt_post_segments(kvt_rma_fn rma, kvt_free_fn release, void *ep,
     return ops;
 }
 
-/* unsigned ucp_worker_progress(ucp_worker_h); ucs_status_t ucp_request_check_status(void *). */
+/* unsigned ucp_worker_progress(ucp_worker_h); ucs_status_t ucp_request_check_status(void *);
+ * ucs_status_ptr_t ucp_ep_flush_nbx(ucp_ep_h, const ucp_request_param_t *). */
 typedef unsigned (*kvt_progress_fn)(void *worker);
 typedef int (*kvt_check_fn)(void *request);
+typedef void *(*kvt_flush_fn)(void *ep, const void *param);
 
 static int64_t kvt_now_ns(void)
 {
@@ -107,6 +110,82 @@ int64_t kvt_progress_while(kvt_progress_fn progress, kvt_check_fn check, void *w
             break;
     }
     return rounds;
+}
+
+/* The libucp functions and constants one share needs (filled once per agent by _native.py). */
+struct kvt_ucp {
+    kvt_rma_fn get, put;
+    kvt_free_fn release;
+    kvt_flush_fn flush;
+    kvt_progress_fn progress;
+    kvt_check_fn check;
+    const void *flush_param; /* ucp_request_param_t of the flush (no callback: polled) */
+    int64_t inprogress;      /* UCS_INPROGRESS */
+};
+
+/* One lane's share of a transfer: n segments, as for kvt_post_segments. */
+struct kvt_share {
+    const uint64_t *laddr, *raddr, *len;
+    void *const *rkeys;
+    int64_t rkey_step;
+    void *const *params;
+    int64_t param_step;
+    int64_t n;
+    void *rkey;  /* storage for the one key / one param of the common one-region case */
+    void *param;
+};
+
+/* What became of a share (see kvt_post_share). */
+struct kvt_outcome {
+    int64_t rma_status;   /* 0, or the UCS status of the first refused post */
+    int64_t failed_at;    /* index of the first segment of the refused run, or -1 */
+    void *flush;          /* the flush request if it is still in progress, else NULL */
+    int64_t flush_status; /* the flush's status: UCS_OK or an error once it ended (its request
+                             is then already released), `inprogress` while `flush` is set */
+    int64_t rounds;       /* progress calls that did work */
+};
+
+/*
+ * Post a share, flush its endpoint, and drive the worker while the flush is in progress,
+ * for at most budget_ns (0: do not drive), in one foreign call. The caller holds the lane's
+ * lock.
+ *
+ * Why one call: these were five ctypes calls per transfer (post, flush, progress loop, then
+ * status check and release of the flush from the completion path), each with its argument
+ * conversion, ~25 us of a 1 MiB transfer's ~90 us. The flush is posted even after a refused
+ * RMA post, so what was posted before it is waited for; a flush that ended here is released
+ * here, and the caller only records its status.
+ */
+void kvt_post_share(const struct kvt_ucp *u, int write, void *worker, void *ep,
+                    const struct kvt_share *s, int64_t budget_ns, struct kvt_outcome *out)
+{
+    kvt_post_segments(write ? u->put : u->get, u->release, ep, s->laddr, s->raddr, s->len,
+                      s->rkeys, s->rkey_step, s->params, s->param_step, s->n,
+                      &out->rma_status, &out->failed_at);
+    out->rounds = 0;
+    void *r = u->flush(ep, u->flush_param);
+    if (r == NULL) {
+        out->flush = NULL;
+        out->flush_status = 0;
+        return;
+    }
+    if (KVT_PTR_IS_ERR(r)) {
+        out->flush = NULL;
+        out->flush_status = (int64_t)(intptr_t)r;
+        return;
+    }
+    if (budget_ns > 0)
+        out->rounds = kvt_progress_while(u->progress, u->check, worker, r, (int)u->inprogress,
+                                         budget_ns);
+    int st = u->check(r);
+    if (st == (int)u->inprogress) {
+        out->flush = r;
+        out->flush_status = u->inprogress;
+    } else {
+        u->release(r);
+        out->flush = NULL;
+        out->flush_status = st;
+    }
 }
 
 /*

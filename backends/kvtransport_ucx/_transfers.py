@@ -145,12 +145,10 @@ class DataPath:
                 self._w.submit(k, functools.partial(self._post_share, x, self._lanes[k], eps, la, ra, ln, lr, rks))
         _, la, ra, ln, lr, _ = parts[0]
         lane0 = self._lanes[0]
-        st, r, broke = self._post_guarded(x, lane0, eps, la, ra, ln, lr, keys[0])
-        if r is not None and self.opts.inline_progress_s > 0 and U.ptr_status(r) == U.UCS_INPROGRESS:
-            self._progress_inline(r, self.opts.inline_progress_s)
+        outcome, broke = self._post_guarded(x, lane0, eps, la, ra, ln, lr, keys[0], self.opts.inline_progress_s)
         with self._w.lock:
             x.posting -= 1
-            self._record(x, lane0, ln, st, r, broke)
+            self._record(x, lane0, ln, outcome, broke)
             self.advance(x)
             # Wake lane 0's thread only if it has something to finish: a transfer that
             # completed inline (the common cma case) must not pay a thread hand-off, and
@@ -165,26 +163,37 @@ class DataPath:
                     ln: np.ndarray, lr: np.ndarray, rks: int | np.ndarray) -> None:
         """Lane ``lane``'s progress thread posts its share of ``x`` (no lock held), then
         records it under the state lock."""
-        st, r, broke = self._post_guarded(x, lane, eps, la, ra, ln, lr, rks)
+        outcome, broke = self._post_guarded(x, lane, eps, la, ra, ln, lr, rks, 0.0)
         with self._w.lock:
             x.posting -= 1
-            self._record(x, lane, ln, st, r, broke)
+            self._record(x, lane, ln, outcome, broke)
             self.advance(x)
 
     def _post_guarded(self, x: Xfer, lane: Lane, eps: list[int], la: np.ndarray, ra: np.ndarray,
-                      ln: np.ndarray, lr: np.ndarray, rks: int | np.ndarray) -> tuple[int, int | None, str]:
+                      ln: np.ndarray, lr: np.ndarray, rks: int | np.ndarray,
+                      budget_s: float) -> tuple[tuple[int, int | None, int] | None, str]:
         """:meth:`_post_lane`, plus what went wrong if it raised: a share must always be
         accounted for, or its transfer would wait for it forever."""
         try:
-            return (*self._post_lane(x, lane, eps, la, ra, ln, lr, rks), "")
+            return self._post_lane(x, lane, eps, la, ra, ln, lr, rks, budget_s), ""
         except Exception as exc:  # noqa: BLE001 - reported as the transfer's failure
-            return 0, None, f"posting on lane {lane.index} failed: {exc!r}"
+            return None, f"posting on lane {lane.index} failed: {exc!r}"
 
     def _post_lane(self, x: Xfer, lane: Lane, eps: list[int], la: np.ndarray, ra: np.ndarray,
-                   ln: np.ndarray, lr: np.ndarray, rks: int | np.ndarray) -> tuple[int, int | None]:
+                   ln: np.ndarray, lr: np.ndarray, rks: int | np.ndarray,
+                   budget_s: float) -> tuple[int, int | None, int] | None:
         """Post one lane's share of a transfer, then its flush, holding only the lane's
-        lock: (status of the first refused RMA post or 0, flush request or status), or
-        (0, None) when nothing was posted.
+        lock, and drive the lane for up to ``budget_s`` while the flush is in progress
+        (:meth:`._native.Poster.share`): (status of the first refused RMA post or 0, flush
+        request still in progress or None, flush status), or None when nothing was posted.
+
+        Why drive on the posting thread (lane 0's share, ``inline_progress_s``): with cma
+        the copy itself runs inside ``ucp_worker_progress``, and doing it here saves the
+        hand-off to the progress thread (pipe write, epoll wake-up, lock and GIL
+        hand-overs), which cost ~0.5 ms on a 16 MiB transfer, a third of its copy time.
+        Driving stops as soon as UCX reports nothing to do (RDMA: the NIC is copying; tcp:
+        waiting on the peer), so it never spins idle, and after the budget, so a large
+        transfer does not hold the caller long: the progress thread finishes the rest.
 
         Nothing is posted once the transfer ended, the backend closed, or the connection's
         endpoints changed since ``post`` (``eps`` is the list it saw): endpoints are closed
@@ -193,25 +202,24 @@ class DataPath:
         with lane.lock:
             if (x.error or x.stage != "rma" or self.closed or lane.worker is None
                     or x.conn.eps is not eps or x.conn.broken):
-                return 0, None
-            ep = eps[lane.index]
-            st = self._poster.post(x.op is Op.WRITE, ep, la, ra, ln, lr, rks)
-            return st, self._ucp.ucp_ep_flush_nbx(ep, byref(self._param))
+                return None
+            return self._poster.share(x.op is Op.WRITE, lane.worker, eps[lane.index], la, ra, ln, lr, rks, budget_s)
 
-    def _record(self, x: Xfer, lane: Lane, ln: np.ndarray, rma_st: int, r: int | None, broke: str) -> None:
+    def _record(self, x: Xfer, lane: Lane, ln: np.ndarray, outcome: tuple[int, int | None, int] | None,
+                broke: str) -> None:
         """Account for one lane's share (state lock held): its flush, or why it was not posted."""
-        if r is None:
+        if outcome is None:
             if x.stage == "rma" and not x.error:
                 x.error = broke or f"the endpoint to peer {x.conn.name!r} was closed while posting"
             return
+        rma_st, r, st = outcome
         self.lane_bytes[lane.index] += int(ln.sum())
         if rma_st:
             self._rma_failed(x, rma_st)
-        st = U.ptr_status(r)
-        if st == U.UCS_INPROGRESS:
+        if r is not None:
             x.flush.append((lane, r))
-        elif st != U.UCS_OK:
-            x.error = x.error or f"flush to peer {x.conn.name!r} failed: {U.lib().status_string(st)}"
+        elif st != U.UCS_OK and not x.error:
+            x.error = f"RMA to peer {x.conn.name!r} failed: {U.lib().status_string(st)}"
 
     def _rma_failed(self, x: Xfer, status: int) -> None:
         x.error = (f"{'put' if x.op is Op.WRITE else 'get'} to peer {x.conn.name!r} "
@@ -248,22 +256,6 @@ class DataPath:
             if len(conn.rk_ids) and np.array_equal(conn.rk_ids[idx], regions):
                 return conn.rk_ptrs[lane][idx]
         raise KVTransportError(f"peer {conn.name!r} exported no remote key for a requested region")
-
-    def _progress_inline(self, req: int, budget_s: float) -> None:
-        """Drive lane 0 on the posting thread while it has work for this transfer.
-
-        Why: with cma the copy itself runs inside ``ucp_worker_progress``. Doing it here, on
-        the thread that posted, saves the hand-off to the progress thread (pipe write, epoll
-        wake-up, lock and GIL hand-overs), which cost ~0.5 ms on a 16 MiB transfer, a third
-        of its copy time. It stops as soon as UCX reports nothing to do (RDMA: the NIC is
-        copying; tcp: waiting on the peer), so it never spins idle, and after ``budget_s``
-        (option ``inline_progress_s``) so a large transfer does not hold the caller long;
-        the progress thread finishes the rest. The loop runs in C where ``_post.c`` was built
-        (:meth:`._native.Poster.drive`).
-        """
-        lane = self._lanes[0]
-        with lane.lock:
-            self._poster.drive(lane.worker, req, U.UCS_INPROGRESS, budget_s)
 
     # -- completion -------------------------------------------------------------------------
     def advance(self, x: Xfer) -> None:

@@ -6,6 +6,7 @@ ragged, multi-region, partly adjacent segment lists (the conformance suite runs 
 from __future__ import annotations
 
 import ctypes
+import itertools
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import pytest
 import kvtransport as kvt
 from kvtransport.errors import BackendOptionError
 from kvtransport_ucx import _native
+from kvtransport_ucx import _ucp as U
 from ucx_helpers import skip_unless_ucx_usable
 
 pytestmark = pytest.mark.timeout(120)
@@ -151,7 +153,7 @@ def test_c_loop_stops_at_a_refused_post_and_names_it_glue_only():
 
 @pytest.mark.parametrize("path", ["native", "ctypes"])
 def test_inline_progress_drives_a_cma_copy_to_its_end_on_both_paths(path):
-    """``post`` drives lane 0 on the caller's thread (``Poster.drive``: the C loop, or the
+    """``post`` drives lane 0 on the caller's thread (``Poster.share``: the C loop, or the
     Python loop of the fallback). With cma each progress call copies one 512 KiB fragment, so
     a 4 MiB READ takes 8 calls: with a budget that cannot run out the transfer is DONE when
     ``post`` returns (the loop went on to the end, not one call); with a budget of a
@@ -173,3 +175,107 @@ def test_inline_progress_drives_a_cma_copy_to_its_end_on_both_paths(path):
                 assert t.status().ok  # DONE, not PENDING
             assert t.wait(60).ok
         assert dst.tobytes() == src.tobytes()
+
+
+# -- one share end to end (post, flush, drive) against scripted libucp functions (glue only) --
+_FLUSH = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+_PROGRESS = ctypes.CFUNCTYPE(ctypes.c_uint, ctypes.c_void_p)
+_CHECK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+_ERR_PTR = (1 << 64) - 3  # UCS_ERR_NO_MEMORY (-3) as a status pointer
+_FLUSH_REQ = 0x5000
+
+
+class _ScriptedUcp:
+    """Stands in for libucp in ``Poster``: records every call; the flush answers
+    ``flush_returns``, the flush request stays in progress for ``busy_checks`` status
+    checks and then ends with ``ends_with``; the RMA post numbered ``refuse_at`` is refused."""
+
+    def __init__(self, flush_returns=_FLUSH_REQ, busy_checks=0, ends_with=0, refuse_at=None):
+        self.log: list[tuple] = []
+        self.busy = busy_checks
+
+        def rma(ep, buf, count, raddr, rkey, param):
+            self.log.append(("rma", buf, count, raddr))
+            return _ERR_PTR if refuse_at is not None and len(self.rmas) - 1 == refuse_at else 0x1000 + len(self.log)
+
+        def flush(ep, param):
+            self.log.append(("flush",))
+            return flush_returns
+
+        def progress(worker):
+            self.log.append(("progress",))
+            return 1
+
+        def check(req):
+            assert req == _FLUSH_REQ
+            self.log.append(("check",))
+            if self.busy > 0:
+                self.busy -= 1
+                return 1  # UCS_INPROGRESS
+            return ends_with
+
+        self.ucp_get_nbx = self.ucp_put_nbx = _RMA(rma)
+        self.ucp_request_free = _FREE(lambda r: self.log.append(("free", r)))
+        self.ucp_ep_flush_nbx = _FLUSH(flush)
+        self.ucp_worker_progress = _PROGRESS(progress)
+        self.ucp_request_check_status = _CHECK(check)
+
+    @property
+    def rmas(self):
+        return [e for e in self.log if e[0] == "rma"]
+
+    def count(self, what):
+        return sum(e[0] == what for e in self.log)
+
+
+class _OneRegion:
+    """``LocalMemory`` stand-in: no per-region parameters (every segment gets the default)."""
+
+    def local_params(self, regions, default):
+        return itertools.repeat(default)
+
+    def local_param_table(self, regions, default):
+        return default
+
+
+def _share(path, ucp, budget_s, la=(100, 200, 500), ra=(900, 800, 300), ln=(10, 10, 8)):
+    if path == "native":
+        assert _native.library()[0] is not None
+    poster = _native.Poster(ucp, _OneRegion(), U.ucp_request_param_t(), native=path == "native")
+    arrs = [np.asarray(x, np.uint64) for x in (la, ra, ln)]
+    return poster.share(False, 7, 9, *arrs, np.zeros(len(la), np.int64), 11, budget_s)
+
+
+@pytest.mark.parametrize("path", ["native", "ctypes"])
+def test_share_whose_flush_ends_while_driven_is_released_and_reported_done_glue_only(path):
+    ucp = _ScriptedUcp(busy_checks=3, ends_with=0)
+    rma_st, req, st = _share(path, ucp, budget_s=1.0)
+    assert (rma_st, req, st) == (0, None, 0)
+    assert [e[1:] for e in ucp.rmas] == [(100, 10, 900), (200, 10, 800), (500, 8, 300)]
+    assert ucp.count("progress") == 3 and ucp.log[-1] == ("free", _FLUSH_REQ)
+
+
+@pytest.mark.parametrize("path", ["native", "ctypes"])
+def test_share_without_budget_leaves_the_flush_in_progress_to_the_caller_glue_only(path):
+    ucp = _ScriptedUcp(busy_checks=1)
+    rma_st, req, st = _share(path, ucp, budget_s=0.0)
+    assert (rma_st, req, st) == (0, _FLUSH_REQ, 1)  # UCS_INPROGRESS: the owner tracks it
+    assert ucp.count("progress") == 0 and ucp.count("free") == 3  # only the RMA requests
+
+
+@pytest.mark.parametrize("path", ["native", "ctypes"])
+def test_share_reports_a_flush_that_ends_in_error_glue_only(path):
+    ucp = _ScriptedUcp(busy_checks=1, ends_with=-3)
+    assert _share(path, ucp, budget_s=1.0) == (0, None, -3)
+    assert ucp.log[-1] == ("free", _FLUSH_REQ)
+    ucp = _ScriptedUcp(flush_returns=_ERR_PTR)  # the flush itself refused: no request at all
+    assert _share(path, ucp, budget_s=1.0) == (0, None, -3)
+    assert ucp.count("check") == 0 and ucp.count("progress") == 0
+
+
+@pytest.mark.parametrize("path", ["native", "ctypes"])
+def test_share_flushes_what_was_posted_before_a_refused_post_glue_only(path):
+    ucp = _ScriptedUcp(flush_returns=0, refuse_at=1)  # second run refused; flush done at once
+    rma_st, req, st = _share(path, ucp, budget_s=1.0, la=(0, 100, 200), ra=(0, 100, 200), ln=(10, 10, 10))
+    assert (rma_st, req, st) == (-3, None, 0)
+    assert len(ucp.rmas) == 2 and ucp.count("flush") == 1  # nothing after the refused post
