@@ -279,3 +279,21 @@ def test_share_flushes_what_was_posted_before_a_refused_post_glue_only(path):
     rma_st, req, st = _share(path, ucp, budget_s=1.0, la=(0, 100, 200), ra=(0, 100, 200), ln=(10, 10, 10))
     assert (rma_st, req, st) == (-3, None, 0)
     assert len(ucp.rmas) == 2 and ucp.count("flush") == 1  # nothing after the refused post
+
+
+def test_segment_addresses_are_remembered_per_array_and_forgotten_with_it():
+    """``_Addresses``: the same three arrays (a prepared transfer's) give their data addresses
+    from the cache; another array in the same place of the triple is looked up afresh; an
+    entry leaves with its local-address array, so the cache never outgrows the live arrays."""
+    cache = _native._Addresses()
+    la, ra, ln = (np.arange(4, dtype=np.uint64) + k for k in (0, 10, 20))
+    first = cache(la, ra, ln)
+    assert first == (la.ctypes.data, ra.ctypes.data, ln.ctypes.data)
+    assert cache(la, ra, ln) == first and len(cache._by_id) == 1
+    other = np.arange(4, dtype=np.uint64)
+    assert cache(la, other, ln) == (la.ctypes.data, other.ctypes.data, ln.ctypes.data)
+    del la
+    assert len(cache._by_id) == 0
+    for _ in range(100):  # one-shot posts: fresh arrays each time, nothing kept
+        cache(*(np.zeros(2, np.uint64) for _ in range(3)))
+    assert len(cache._by_id) == 0
