@@ -119,7 +119,7 @@ class _Share(ctypes.Structure):
 class _Outcome(ctypes.Structure):
     """``struct kvt_outcome``: what became of a share."""
     _fields_ = [("rma_status", c_int64), ("failed_at", c_int64), ("flush", c_void_p),
-                ("flush_status", c_int64), ("rounds", c_int64)]
+                ("flush_status", c_int64)]
 
 
 _RKEY_AT, _PARAM_AT = _Share.rkey.offset, _Share.param.offset

@@ -92,24 +92,21 @@ static int64_t kvt_now_ns(void)
 
 /*
  * Drive `worker` while `request` is in progress (its status is `inprogress`, UCS_INPROGRESS)
- * and UCX reports work done, for at most budget_ns. Returns the progress calls that did work.
+ * and UCX reports work done, for at most budget_ns.
  *
  * Why in C: with cma each ucp_worker_progress call copies one fragment (512 KiB here), so a
  * 16 MiB transfer takes 32 calls; the same loop in Python cost ~3 us per call (two ctypes
  * calls and a clock read, the GIL dropped and taken back each time), ~100 us per 16 MiB, a
  * tenth of the copy. The caller holds the worker's lock (the worker is SERIALIZED).
  */
-int64_t kvt_progress_while(kvt_progress_fn progress, kvt_check_fn check, void *worker,
-                           void *request, int inprogress, int64_t budget_ns)
+static void kvt_progress_while(kvt_progress_fn progress, kvt_check_fn check, void *worker,
+                               void *request, int inprogress, int64_t budget_ns)
 {
-    int64_t rounds = 0;
     int64_t until = kvt_now_ns() + budget_ns;
     while (check(request) == inprogress && progress(worker)) {
-        ++rounds;
         if (kvt_now_ns() >= until)
             break;
     }
-    return rounds;
 }
 
 /* The libucp functions and constants one share needs (filled once per agent by _native.py). */
@@ -142,7 +139,6 @@ struct kvt_outcome {
     void *flush;          /* the flush request if it is still in progress, else NULL */
     int64_t flush_status; /* the flush's status: UCS_OK or an error once it ended (its request
                              is then already released), `inprogress` while `flush` is set */
-    int64_t rounds;       /* progress calls that did work */
 };
 
 /*
@@ -162,7 +158,6 @@ void kvt_post_share(const struct kvt_ucp *u, int write, void *worker, void *ep,
     kvt_post_segments(write ? u->put : u->get, u->release, ep, s->laddr, s->raddr, s->len,
                       s->rkeys, s->rkey_step, s->params, s->param_step, s->n,
                       &out->rma_status, &out->failed_at);
-    out->rounds = 0;
     void *r = u->flush(ep, u->flush_param);
     if (r == NULL) {
         out->flush = NULL;
@@ -175,8 +170,7 @@ void kvt_post_share(const struct kvt_ucp *u, int write, void *worker, void *ep,
         return;
     }
     if (budget_ns > 0)
-        out->rounds = kvt_progress_while(u->progress, u->check, worker, r, (int)u->inprogress,
-                                         budget_ns);
+        kvt_progress_while(u->progress, u->check, worker, r, (int)u->inprogress, budget_ns);
     int st = u->check(r);
     if (st == (int)u->inprogress) {
         out->flush = r;
