@@ -58,6 +58,9 @@ def base_env(cpu: int | None) -> dict[str, str]:
         # The tiny model needs almost no KV memory; 1 GiB is the smallest setting.
         VLLM_CPU_KVCACHE_SPACE="1",
         PYTHONUNBUFFERED="1",
+        # every thread's Python stack to the log on a fatal signal: stall_report() sends
+        # SIGABRT to a stalled server's processes to see where each one waits
+        PYTHONFAULTHANDLER="1",
     )
     if cpu is not None:
         # One OpenMP thread pinned per engine: two engines share 2 cores fairly.
@@ -209,6 +212,85 @@ class VllmServer(Proc):
             if all(got.get(k) == v for k, v in labels.items()):
                 total += value
         return total
+
+
+#: engine metrics worth seeing when requests stall (prefixes of Prometheus names)
+_STALL_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                  "vllm:kvtransport_loads_in_flight", "vllm:kvtransport_holds_in_flight",
+                  "vllm:kvtransport_outcomes_total")
+
+
+def _group_processes(pgid: int) -> list[tuple[int, str, str]]:
+    """(pid, name, ``ps`` line: state, CPU, CPU%, CPU time, wait channel) of one process group."""
+    out = subprocess.run(["ps", "-e", "-o", "pgid=,pid=,stat=,psr=,pcpu=,time=,wchan:22=,comm="],
+                         capture_output=True, text=True).stdout
+    rows = []
+    for line in out.splitlines():
+        f = line.split()
+        if len(f) >= 8 and f[0] == str(pgid):
+            rows.append((int(f[1]), " ".join(f[7:]), " ".join(f[1:])))
+    return rows
+
+
+def _thread_summary(dump: str) -> list[str]:
+    """From one process's faulthandler output: per thread its innermost frame and, when
+    that is library code, the innermost frame of vLLM or kvtransport (what it waits in)."""
+    threads: list[tuple[str, list[str]]] = []
+    for line in dump.splitlines():
+        if line.startswith(("Thread 0x", "Current thread 0x")):
+            threads.append((line.split(" (")[0], []))
+        elif threads and line.strip().startswith("File "):
+            threads[-1][1].append(line.strip())
+    out = []
+    for name, frames in threads:
+        if not frames:
+            continue
+        ours = next((f for f in frames if "kvtransport" in f or "/vllm/" in f), None)
+        out.append(f"    {name}: {frames[0]}" + (f"  <- {ours}" if ours and ours != frames[0] else ""))
+    return out
+
+
+def stall_report(servers: list[VllmServer], stacks: bool = True) -> str:
+    """Where each server stands when requests did not finish: selected metrics, its
+    processes as the kernel sees them (state, CPU, CPU%, wait channel) and, with ``stacks``,
+    each thread's innermost Python frame, taken by SIGABRT one process at a time
+    (faulthandler: PYTHONFAULTHANDLER in base_env). **This ends the servers**, so call it
+    last. Compact, so that it survives a CI log that keeps only the end of the output."""
+    parts, procs = [], []
+    for s in servers:
+        try:
+            ms = {k: v for k, v in s.metrics().items() if k.startswith(_STALL_METRICS) and v}
+            shown = ", ".join(f"{k.replace('vllm:', '')}={v:g}" for k, v in sorted(ms.items()))
+        except Exception as exc:  # noqa: BLE001 - a report must not raise
+            shown = f"metrics unavailable ({type(exc).__name__})"
+        parts.append(f"[{s.name}] {shown}")
+        if s.proc is not None and s.proc.poll() is None:
+            rows = _group_processes(s.proc.pid)
+            parts += [f"  {line}" for _, _, line in rows]
+            procs += [(s, pid, name) for pid, name, _ in rows if "resource_tracker" not in name]
+    if not stacks:
+        return "\n".join(parts)
+    # workers first, the API server last: a parent's death can end its children
+    procs.sort(key=lambda t: (not t[2].startswith("VLLM::Worker"), not t[2].startswith("VLLM::Engine")))
+    for s, pid, name in procs:
+        before = s.log_path.stat().st_size if s.log_path.exists() else 0
+        try:
+            os.kill(pid, signal.SIGABRT)
+        except ProcessLookupError:
+            continue
+        deadline, last = time.monotonic() + 5, -1
+        while time.monotonic() < deadline:  # until its dump has stopped growing
+            time.sleep(0.3)
+            size = s.log_path.stat().st_size
+            if size > before and size == last:
+                break
+            last = size
+        with open(s.log_path, errors="replace") as f:
+            f.seek(before)
+            lines = _thread_summary(f.read())
+        parts.append(f"[{s.name}] pid {pid} {name}, innermost frames at SIGABRT:")
+        parts += lines or ["    (no Python stack written)"]
+    return "\n".join(parts)
 
 
 def vllm_server(name: str, model: Path, log_dir: Path, cpu: int | None,

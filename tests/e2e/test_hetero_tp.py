@@ -180,7 +180,11 @@ def test_hetero_tp_greedy_matches_single_engine_kv_remote_usage_back_to_zero(p, 
 
         results = asyncio.run(asyncio.wait_for(run(), timeout=300))
         errors = [(len(q), repr(r)) for q, r in zip(ps, results) if isinstance(r, BaseException)]
-        assert not errors, f"{tag}: requests failed: {errors}"
+        if errors:
+            # what each engine was doing (metrics, processes, every thread's frame); ends them
+            print(f"[e2e] {tag}: state when {len(errors)} requests had failed:\n"
+                  + harness.stall_report([decode, prefill]))
+        assert not errors, f"{tag}: {len(errors)} of {len(ps)} requests failed (engine state printed): {errors}"
         wrong = [len(q) for q, r in zip(ps, results) if prompts.completion_ids(r) != baseline4[tuple(q)]]
         assert not wrong, f"{tag}: {len(wrong)} of {len(ps)} concurrent outputs differ (lengths {wrong})"
         ext1, _ = _prompt_tokens(decode)

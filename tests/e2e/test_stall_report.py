@@ -1,0 +1,47 @@
+"""harness.stall_report: what an end-to-end test prints when requests stall.
+
+It must name every process of a server's group and, per thread, the Python frame the
+thread was in, from a real process group (a parent and a child process, the parent with a
+second thread), without a vLLM server: the report is the harness's, the processes real.
+"""
+
+from __future__ import annotations
+
+import textwrap
+import time
+
+from . import harness
+
+PROGRAM = textwrap.dedent("""
+    import subprocess, sys, threading, time
+
+    def side_channel_wait():
+        time.sleep(300)
+
+    threading.Thread(target=side_channel_wait, daemon=True).start()
+    CHILD = "import time\\ndef engine_step():\\n    print('child ready', flush=True)\\n    time.sleep(300)\\nengine_step()"
+    child = subprocess.Popen([sys.executable, "-c", CHILD])
+    print("parent ready", flush=True)
+    time.sleep(300)
+""")
+
+
+def test_stall_report_names_each_process_and_each_threads_frame(tmp_path):
+    server = harness.VllmServer(name="stalled", cmd=[harness.PYTHON, "-c", PROGRAM], env=harness.base_env(None),
+                                log_path=tmp_path / "stalled.log", port=harness.free_port())
+    server.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not all(w in server.log_tail() for w in ("parent ready", "child ready")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "child ready" in server.log_tail() and "parent ready" in server.log_tail(), server.log_tail()
+        report = harness.stall_report([server])
+    finally:
+        server.stop()
+    print(report)
+    lines = report.splitlines()
+    assert lines[0].startswith("[stalled] metrics unavailable"), report  # nothing serves /metrics here
+    assert sum(1 for line in lines if line.startswith("[stalled] pid ")) == 2, report  # parent and child
+    assert any("in side_channel_wait" in line for line in lines), report  # the parent's second thread
+    assert any("in engine_step" in line for line in lines), report  # the child's main thread
+    assert "(no Python stack written)" not in report, report
