@@ -45,7 +45,7 @@ import pytest
 
 from kvtransport_vllm.load_stats import Cause
 
-from . import prompts
+from . import harness, prompts
 from .conftest import BASELINE_SEEDS, LEASE_S, TRANSFER_TIMEOUT_S
 from .harness import BLOCK_SIZE, VllmServer, proxy_process, side_channel_port
 from .harness import start_all as harness_start
@@ -198,7 +198,10 @@ def test_32_concurrent_requests_match_and_free_everything(pair, baseline, vocab_
 
     results = asyncio.run(asyncio.wait_for(run(), timeout=300))
     errors = [(len(p), repr(r)) for p, r in zip(ps, results) if isinstance(r, BaseException)]
-    assert not errors, f"requests failed: {errors}"
+    if errors:  # the engines are the module's: their state, without the stacks (which end them)
+        print(f"[e2e] state when {len(errors)} requests had failed:\n"
+              + harness.stall_report([pair.decode, pair.prefill], stacks=False))
+    assert not errors, f"requests failed (engine state printed): {errors}"
     wrong = [len(p) for p, r in zip(ps, results) if prompts.completion_ids(r) != baseline[tuple(p)]]
     assert not wrong, f"{len(wrong)} of 32 concurrent outputs differ (prompt lengths {wrong})"
     ext1, _ = _prompt_tokens(pair.decode)
@@ -474,7 +477,10 @@ def _router_flow_write(pair, proxy, baseline, vocab_size) -> None:
 
     results = asyncio.run(asyncio.wait_for(run(), timeout=300))
     errors = [(len(p), repr(r)) for p, r in zip(ps, results) if isinstance(r, BaseException)]
-    assert not errors, f"router flow requests failed: {errors}"
+    if errors:
+        print(f"[e2e] state when {len(errors)} router-flow requests had failed:\n"
+              + harness.stall_report([pair.decode, pair.prefill], stacks=False))
+    assert not errors, f"router flow requests failed (engine state printed): {errors}"
     wrong = [len(p) for p, r in zip(ps, results) if prompts.completion_ids(r) != baseline[tuple(p)]]
     assert not wrong, f"{len(wrong)} of {len(ps)} concurrent router-flow outputs differ (lengths {wrong})"
     ext1, _ = _prompt_tokens(pair.decode)

@@ -27,6 +27,7 @@ PROGRAM = textwrap.dedent("""
 
 
 def test_stall_report_names_each_process_and_each_threads_frame(tmp_path):
+    """The light report leaves the server running; the full one adds every thread's frame."""
     server = harness.VllmServer(name="stalled", cmd=[harness.PYTHON, "-c", PROGRAM], env=harness.base_env(None),
                                 log_path=tmp_path / "stalled.log", port=harness.free_port())
     server.start()
@@ -35,10 +36,15 @@ def test_stall_report_names_each_process_and_each_threads_frame(tmp_path):
         while not all(w in server.log_tail() for w in ("parent ready", "child ready")) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert "child ready" in server.log_tail() and "parent ready" in server.log_tail(), server.log_tail()
+        light = harness.stall_report([server], stacks=False)  # for engines other tests still use
+        assert server.alive, "stall_report(stacks=False) must leave the server running"
         report = harness.stall_report([server])
     finally:
         server.stop()
-    print(report)
+    print(light, report, sep="\n")
+    light_lines = light.splitlines()
+    assert len(light_lines) == 3 and all(line.startswith("  ") for line in light_lines[1:]), light  # 2 processes
+    assert "innermost" not in light, light
     lines = report.splitlines()
     assert lines[0].startswith("[stalled] metrics unavailable"), report  # nothing serves /metrics here
     assert sum(1 for line in lines if line.startswith("[stalled] pid ")) == 2, report  # parent and child
