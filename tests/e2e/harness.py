@@ -253,8 +253,8 @@ def _thread_summary(dump: str) -> list[str]:
 def stall_report(servers: list[VllmServer], stacks: bool = True) -> str:
     """Where each server stands when requests did not finish: selected metrics, its
     processes as the kernel sees them (state, CPU, CPU%, wait channel) and, with ``stacks``,
-    each thread's innermost Python frame, taken by SIGABRT one process at a time
-    (faulthandler: PYTHONFAULTHANDLER in base_env). **This ends the servers**, so call it
+    each thread's innermost Python frame, written by faulthandler (PYTHONFAULTHANDLER in
+    base_env) on SIGABRT, all processes frozen first. **This ends the servers**, so call it
     last. Compact, so that it survives a CI log that keeps only the end of the output."""
     parts, procs = [], []
     for s in servers:
@@ -270,12 +270,20 @@ def stall_report(servers: list[VllmServer], stacks: bool = True) -> str:
             procs += [(s, pid, name) for pid, name, _ in rows if "resource_tracker" not in name]
     if not stacks:
         return "\n".join(parts)
-    # workers first, the API server last: a parent's death can end its children
-    procs.sort(key=lambda t: (not t[2].startswith("VLLM::Worker"), not t[2].startswith("VLLM::Engine")))
+    # Freeze every process first: one that dies makes its engine tear down (a worker's death
+    # ends the engine core and then the API server), which would change what the others show.
+    # Then one at a time: SIGABRT and SIGCONT, so the abort (signal 6) is handled first and
+    # its dump is the state at the freeze, and dumps do not interleave in a shared log.
+    for _, pid, _ in procs:
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
     for s, pid, name in procs:
         before = s.log_path.stat().st_size if s.log_path.exists() else 0
         try:
             os.kill(pid, signal.SIGABRT)
+            os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             continue
         deadline, last = time.monotonic() + 5, -1

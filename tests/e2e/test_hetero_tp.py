@@ -153,7 +153,12 @@ def test_hetero_tp_greedy_matches_single_engine_kv_remote_usage_back_to_zero(p, 
         mismatches, not_remote, rows = [], [], []
         for prompt in prompts.correctness_prompts(vocab4, seed):
             ext0, loc0 = _prompt_tokens(decode)
-            got = prompts.complete(client, prompt)
+            try:
+                got = prompts.complete(client, prompt)
+            except Exception:  # e.g. a 504 or the client's timeout: where each engine waits, then fail
+                print(f"[e2e] {tag}: state when a {len(prompt)}-token request failed:\n"
+                      + harness.stall_report([decode, prefill]))
+                raise
             ext1, loc1 = _prompt_tokens(decode)
             rows.append(dict(len=len(prompt), remote=ext1 - ext0, local=loc1 - loc0))
             if got != baseline4[tuple(prompt)]:
