@@ -19,9 +19,10 @@ PROGRAM = textwrap.dedent("""
         time.sleep(300)
 
     threading.Thread(target=side_channel_wait, daemon=True).start()
-    CHILD = "import time\\ndef engine_step():\\n    print('child ready', flush=True)\\n    time.sleep(300)\\nengine_step()"
+    CHILD = ("import time\\ndef engine_step():\\n    print('child', 'up', sep='-', flush=True)\\n"
+             "    time.sleep(300)\\nengine_step()")
     child = subprocess.Popen([sys.executable, "-c", CHILD])
-    print("parent ready", flush=True)
+    print("parent", "up", sep="-", flush=True)
     time.sleep(300)
 """)
 
@@ -33,9 +34,10 @@ def test_stall_report_names_each_process_and_each_threads_frame(tmp_path):
     server.start()
     try:
         deadline = time.monotonic() + 30
-        while not all(w in server.log_tail() for w in ("parent ready", "child ready")) and time.monotonic() < deadline:
+        up = ("\nparent-up\n", "\nchild-up\n")  # whole lines: the log's first line holds the program text
+        while not all(w in server.log_tail() for w in up) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert "child ready" in server.log_tail() and "parent ready" in server.log_tail(), server.log_tail()
+        assert all(w in server.log_tail() for w in up), server.log_tail()
         light = harness.stall_report([server], stacks=False)  # for engines other tests still use
         assert server.alive, "stall_report(stacks=False) must leave the server running"
         report = harness.stall_report([server])
