@@ -267,7 +267,7 @@ def stall_report(servers: list[VllmServer], stacks: bool = True) -> str:
         if s.proc is not None and s.proc.poll() is None:
             rows = _group_processes(s.proc.pid)
             parts += [f"  {line}" for _, _, line in rows]
-            procs += [(s, pid, name) for pid, name, _ in rows if "resource_tracker" not in name]
+            procs += [(s, pid, name) for pid, name, _ in rows]
     if not stacks:
         return "\n".join(parts)
     # Freeze every process first: one that dies makes its engine tear down (a worker's death
@@ -280,7 +280,7 @@ def stall_report(servers: list[VllmServer], stacks: bool = True) -> str:
         except ProcessLookupError:
             pass
     for s, pid, name in procs:
-        before = s.log_path.stat().st_size if s.log_path.exists() else 0
+        before = s.log_path.stat().st_size  # start() created it
         try:
             os.kill(pid, signal.SIGABRT)
             os.kill(pid, signal.SIGCONT)
