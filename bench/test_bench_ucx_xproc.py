@@ -53,6 +53,8 @@ import kvtransport as kvt
 BUF = 256 << 20
 BLOCK = 16 << 10
 CASES = {"16MiB": (1, 16 << 20), "256MiB": (1, 256 << 20), "4096x16KiB": (4096, BLOCK)}
+#: KVT_BENCH_CASES=16MiB,4096x16KiB (comma-separated) measures a subset of the cases.
+CASES = {c: v for c, v in CASES.items() if c in (os.environ.get("KVT_BENCH_CASES") or ",".join(CASES)).split(",")}
 ROUNDS = {"16MiB": 11, "256MiB": 3, "4096x16KiB": 7}
 OPS = ["READ", "WRITE"]
 ALL_SYSTEMS = ["memcpy", "loopback", "ucx-shm", "ucx-shm-ctypes", "nixl-shm", "ucx-tcp", "nixl-tcp"]
@@ -66,6 +68,9 @@ KVT_OPTS: dict[str, tuple[str, dict[str, Any]]] = {
     "ucx-shm-ctypes": ("ucx", {"tls": "shm", "post": "ctypes"}),
     "ucx-tcp": ("ucx", {"tls": "tcp"}),
 }
+#: KVT_BENCH_UCX_TCP_OPTS='{"ucx_config": {...}, "lanes": 1}' (JSON) adds to ucx-tcp's options, to
+#: measure a setting against NIXL in one run without editing this file.
+KVT_OPTS["ucx-tcp"][1].update(json.loads(os.environ.get("KVT_BENCH_UCX_TCP_OPTS") or "{}"))
 NIXL_TLS = {"nixl-shm": "sysv,posix,cma", "nixl-tcp": "tcp"}
 RUNS = int(os.environ.get("KVT_BENCH_RUNS", "5"))
 #: KVT_BENCH_PIN="0,1" pins the initiator to CPU 0 and the target to CPU 1 (every thread the
