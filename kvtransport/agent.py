@@ -60,7 +60,8 @@ from .memory import MemoryRegion, RemoteMemoryRegion, describe_buffer
 from .registry import load_backend_class, probe_class
 from .segments import Segments, merge_pairs
 from .spi import Backend, LocalRegion, Op, PollState, PostRequest, RemoteRegion
-from .transfer import DONE_STATUS, FinishedTransfers, PreparedTransfer, State, Transfer, TransferStatus
+from .transfer import (DONE_STATUS, SPIN_POLL_GAP_S, FinishedTransfers, PreparedTransfer, State, Transfer,
+                       TransferStatus, yield_gil)
 
 __all__ = ["AgentConfig", "Agent", "Peer", "Notification", "PreparedTransfer", "open_agent"]
 
@@ -210,6 +211,7 @@ class Agent:
         self._pending: dict[int, Transfer] = {}
         self._unquiesced: dict[int, Transfer] = {}
         self._finished = FinishedTransfers(config.progress_window)
+        self._idle_progress_at = 0.0  # when a progress() call that found nothing finished returned
         self._owner = _TransferOwner(self)
         self._latencies: deque[float] = deque(maxlen=config.latency_window)
         self._stats = dict(
@@ -623,14 +625,19 @@ class Agent:
         while the caller still holds its ``Transfer`` (or among the latest
         ``AgentConfig.progress_window`` such ones): the agent keeps no finished transfer
         the caller has seen and let go, so waiting alone never accumulates memory."""
+        now = time.monotonic()
         with self._lock:
             if not self._closed:
-                now = time.monotonic()
                 for t in list(self._pending.values()):
                     self._poll_one(t, now)
                 for t in list(self._unquiesced.values()):
                     self._check_quiesced(t)
-            return self._finished.drain()
+            finished = self._finished.drain()
+        if not finished and self._pending:
+            if now - self._idle_progress_at < SPIN_POLL_GAP_S:
+                yield_gil()  # the caller spins on progress(): let the backend's threads run
+            self._idle_progress_at = time.monotonic()
+        return finished
 
     def pending(self) -> int:
         return len(self._pending)

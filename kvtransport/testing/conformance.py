@@ -12,6 +12,7 @@ deadline, T3 quiesced before reuse, T4 validated before posting.
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
@@ -191,6 +192,28 @@ def test_exactly_once_completion_T1(fresh):
     assert all(t.status().ok for t in ts)  # stable after the fact
     for t in ts:
         t.release()
+
+
+def test_caller_spinning_on_status_does_not_starve_the_transfer(fresh):
+    """``while not t.status().done: pass`` must let the backend finish the transfer.
+
+    A backend that moves bytes on Python threads needs the GIL between native calls, and
+    a caller spinning on ``status()`` takes it back at once each turn (the core yields it
+    when it sees the same pending transfer polled again within microseconds). CPython's
+    forced switch is pushed out of reach while spinning (``sys.setswitchinterval``), so the
+    transfer finishes only if polling lets those threads run. The spin ends at the
+    transfer's deadline at the latest (T2); nothing is timed."""
+    ids = np.arange(NBLOCKS)
+    t = fresh.local.write(fresh.peer, fresh.layout_l.segments(ids), fresh.layout_r.segments(ids), timeout=30)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(60.0)
+    try:
+        while not t.status().done:
+            pass
+    finally:
+        sys.setswitchinterval(old)
+    assert t.status().ok, t.status()
+    assert fresh.far.bytes() == fresh.buf.tobytes()
 
 
 def test_deadline_bounds_a_silent_transfer_T2(kvt_case):
