@@ -52,7 +52,8 @@ files synchronously): asking for ``kvt-read-router`` or ``kvt-ucx-router`` is re
 Engines: tiny Llama (tests/e2e/tiny_model.py), block 32, float32, prefill pinned to CPU 0 and
 decode to CPU 1 (``VLLM_CPU_OMP_THREADS_BIND``); the single engine runs on CPU 0.
 ``--model kv-heavy`` gives it 16 layers and 16 KV heads: 128 KiB of KV per token (Llama-3-8B's
-size in bf16) against the default's 2 KiB, for a little more compute.
+size in bf16) against the default's 2 KiB, for a little more compute; ``--model kv-70b`` 40
+layers and 16 KV heads: 320 KiB per token (Llama-3-70B's in bf16).
 No timing is asserted anywhere: this prints numbers; the issue's targets are read from them.
 """
 
@@ -89,7 +90,10 @@ OUTPUT_TOKENS = 16
 #: is what the e2e tests run; "kv-heavy" (16 layers, 16 KV heads: 128 KiB per token, what
 #: Llama-3-8B's KV takes in bf16) keeps the compute small but moves KV of a real model's size,
 #: so the transfer (and ExampleConnector's files) weigh what they would in production.
-MODELS = {"tiny": dict(num_layers=2, num_heads=2), "kv-heavy": dict(num_layers=16, num_heads=16)}
+#: "kv-70b" (40 layers, 16 KV heads: 320 KiB per token in float32) is Llama-3-70B's KV per token in
+#: bf16 (80 layers x 8 KV heads x 128 x K and V x 2 bytes); a 200-token prompt moves ~64 MiB.
+MODELS = {"tiny": dict(num_layers=2, num_heads=2), "kv-heavy": dict(num_layers=16, num_heads=16),
+          "kv-70b": dict(num_layers=40, num_heads=16)}
 #: Prompt lengths of the sequential workload (the issue's 13 prompts of 3-207 tokens).
 SEQ_LENGTHS = [3, 9, 17, 31, 32, 33, 48, 64, 95, 120, 150, 180, 207]
 CONCURRENCY = (8, 32)
@@ -418,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
                          "idle engines busy-wait, and an idle NixlConnector engine spins a core)")
     ap.add_argument("--model", choices=sorted(MODELS), default="tiny",
                     help="tiny: 2 KiB of KV per token (the e2e tests' model); kv-heavy: 128 KiB per token "
-                         "(Llama-3-8B's in bf16), little more compute")
+                         "(Llama-3-8B's in bf16); kv-70b: 320 KiB per token (Llama-3-70B's in bf16); "
+                         "little more compute")
     ap.add_argument("--pin", choices=("worker", "engine"), default="engine",
                     help="worker: only each worker's OpenMP threads are pinned (VLLM_CPU_OMP_THREADS_BIND); "
                          "engine: each PD engine's whole process tree is confined to its core")
