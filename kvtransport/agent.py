@@ -60,8 +60,8 @@ from .memory import MemoryRegion, RemoteMemoryRegion, describe_buffer
 from .registry import load_backend_class, probe_class
 from .segments import Segments, merge_pairs
 from .spi import Backend, LocalRegion, Op, PollState, PostRequest, RemoteRegion
-from .transfer import (DONE_STATUS, SPIN_POLL_GAP_S, FinishedTransfers, PreparedTransfer, State, Transfer,
-                       TransferStatus, yield_gil)
+from .transfer import (DONE_STATUS, FinishedTransfers, PreparedTransfer, State, Transfer, TransferStatus,
+                       note_pending_poll)
 
 __all__ = ["AgentConfig", "Agent", "Peer", "Notification", "PreparedTransfer", "open_agent"]
 
@@ -212,6 +212,7 @@ class Agent:
         self._unquiesced: dict[int, Transfer] = {}
         self._finished = FinishedTransfers(config.progress_window)
         self._idle_progress_at = 0.0  # when a progress() call that found nothing finished returned
+        self._fast_idle_progress = 0  # such calls in a row, each soon after the one before (spinning)
         self._owner = _TransferOwner(self)
         self._latencies: deque[float] = deque(maxlen=config.latency_window)
         self._stats = dict(
@@ -634,8 +635,8 @@ class Agent:
                     self._check_quiesced(t)
             finished = self._finished.drain()
         if not finished and self._pending:
-            if now - self._idle_progress_at < SPIN_POLL_GAP_S:
-                yield_gil()  # the caller spins on progress(): let the backend's threads run
+            # a caller spinning on progress() lets the backend's threads run
+            self._fast_idle_progress = note_pending_poll(now, self._idle_progress_at, self._fast_idle_progress)
             self._idle_progress_at = time.monotonic()
         return finished
 

@@ -68,16 +68,22 @@ DONE_STATUS = TransferStatus(State.DONE)
 #: transfer's next change (``PollResult.will_signal``): what a backend that broke that
 #: promise costs a waiter per transfer, instead of a transfer stranded until its deadline.
 SIGNALLED_WAIT_CAP_S = 0.05
-#: Two polls that both find the same transfer (or agent) pending less than this apart mean
-#: the caller is spinning (``while not t.done: pass``, as NIXL users poll
-#: ``check_xfer_state``); the second one then yields the GIL (:func:`yield_gil`). Longer
-#: than a spinning loop's turn (a few us), shorter than ``wait()``'s first nap (50 us) and
-#: than the gap between two calls of an engine step, which therefore never yield.
+#: A poll that finds the same transfer (or agent) pending again less than this after the
+#: previous pending answer is a *fast* poll. Longer than a spinning loop's turn (a few us),
+#: shorter than ``wait()``'s first nap (50 us).
 SPIN_POLL_GAP_S = 5e-5
+#: The caller is taken to be spinning (``while not t.done: pass``, as NIXL users poll
+#: ``check_xfer_state``) once this many pending answers in a row were each a fast poll after
+#: the one before; from then on each pending answer first yields the GIL (:func:`yield_gil`).
+#: A spinning loop gets there within ~100 us. An engine step's hooks poll in a short burst
+#: (vLLM 0.32, after the forward: ``start_load_kv``, ``wait_for_save``, then
+#: ``get_transfer_results``, each advancing the connector once: a few fast polls of the agent
+#: and of each posted transfer), which must not pay for a yield.
+SPIN_POLLS_BEFORE_YIELD = 16
 
 
 def yield_gil() -> None:
-    """Let this process's other Python threads run once: ``time.sleep(0)`` drops the GIL.
+    """Let this process's other Python threads run: ``time.sleep(0)`` drops the GIL.
 
     Why: a backend moves bytes on its own threads (loopback's copy threads, ucx's progress
     threads), and each needs the GIL between its native calls. A caller polling a pending
@@ -85,8 +91,25 @@ def yield_gil() -> None:
     for it: measured two processes, 16 MiB WRITEs back to back, a loop on ``status()``
     against ``wait()``: loopback 1.4 against 18-20 GB/s, ucx tcp 0.6-0.7 against 2.3-2.6,
     ucx shm 0.9-14 against 13-15; the same loop with this yield: 20, 2.7-3.1, 16-18.
+    Why a sleep: it lasts the kernel's timer slack (~70 us here), long enough for a thread
+    woken on another core to take the GIL, and the scheduler does not penalise it.
+    ``os.sched_yield()`` (0.6 us) moved as many bytes in the same bench, but the EEVDF
+    scheduler charges a yielding thread a whole time slice, which starved vLLM's processes
+    for seconds (docs/VLLM.md, "Busy-wait yield"). A spinning caller sees the end of a
+    transfer at most one sleep late.
     """
     time.sleep(0)
+
+
+def note_pending_poll(start: float, last_pending_end: float, fast_polls: int) -> int:
+    """Account one poll that began at ``start`` and found work still pending; the previous
+    pending answer ended at ``last_pending_end`` after ``fast_polls`` fast polls in a row.
+    Yields the GIL once the caller is spinning (``SPIN_POLLS_BEFORE_YIELD``); returns the new
+    count of fast polls in a row."""
+    fast_polls = fast_polls + 1 if start - last_pending_end < SPIN_POLL_GAP_S else 0
+    if fast_polls >= SPIN_POLLS_BEFORE_YIELD - 1:
+        yield_gil()
+    return fast_polls
 
 
 class TransferOwner(Protocol):
@@ -128,7 +151,7 @@ class Transfer:
 
     __slots__ = ("_owner", "id", "op", "peer", "nbytes", "nsegments", "local_regions", "deadline",
                  "posted_at", "finished_at", "backend_handle", "_status", "_released", "_seen_final",
-                 "awaits_signal", "_pending_polled_at", "__weakref__")
+                 "awaits_signal", "_pending_polled_at", "_fast_polls", "__weakref__")
 
     def __init__(
         self,
@@ -162,6 +185,7 @@ class Transfer:
         #: next change (``PollResult.will_signal``), so ``wait()`` need not poll meanwhile.
         self.awaits_signal = False
         self._pending_polled_at = 0.0  # when a status() call that found it pending returned
+        self._fast_polls = 0  # such calls in a row, each soon after the one before (spinning)
 
     # -- owner side: called only by the TransferOwner that created the transfer, ------
     # -- under its lock -----------------------------------------------------------------
@@ -207,8 +231,8 @@ class Transfer:
         start = time.monotonic()
         st = self._owner.poll_transfer(self)
         if st.state is State.PENDING:
-            if start - self._pending_polled_at < SPIN_POLL_GAP_S:
-                yield_gil()  # the caller spins on this transfer: let the threads moving it run
+            # a caller spinning on this transfer lets the threads that move it run
+            self._fast_polls = note_pending_poll(start, self._pending_polled_at, self._fast_polls)
             self._pending_polled_at = time.monotonic()
         elif st.quiesced:
             self._seen_final = True  # nothing can change any more: no need to ask again

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import kvtransport as kvt
+from kvtransport import transfer as transfer_mod
 
 SIZE = 32 << 20  # large enough that post() hands the copy to the copy threads
 MAX_POLLS = 200_000  # seconds of spinning; a yielding poll needs a few thousand at most
@@ -78,3 +79,34 @@ def test_spinning_on_agent_progress_lets_the_transfer_finish(pair) -> None:
     assert polls <= MAX_POLLS, "the transfer never finished while the caller spun on Agent.progress()"
     assert t.last_status.ok
     assert np.array_equal(src, dst)
+
+
+def test_a_short_burst_of_polls_does_not_yield_a_spin_does(monkeypatch) -> None:
+    """An engine step polls a few times back to back (its hooks after the forward): that
+    must not sleep. A loop polling on and on yields on (nearly) every turn once it is
+    spinning. The transfer never ends (injected hang), so every answer is pending."""
+    yields: list[int] = []
+    monkeypatch.setattr(transfer_mod, "yield_gil", lambda: yields.append(1))
+    a = kvt.open("loopback", name="spin-hang", faults=kvt.FaultPlan(hang_rate=1.0))
+    b = kvt.open("loopback", name="spin-far")
+    try:
+        src, dst = np.zeros(4096, np.uint8), np.zeros(4096, np.uint8)
+        a.register(src)
+        b.register(dst)
+        b.connect(a.metadata())
+        peer = a.connect(b.metadata())
+        t = a.write(peer, a.regions[0].segments(np.array([0]), np.array([4096])),
+                    peer.regions[0].segments(np.array([0]), np.array([4096])), timeout=60)
+        burst = transfer_mod.SPIN_POLLS_BEFORE_YIELD - 1
+        for _ in range(burst):
+            assert not t.status().done
+            assert a.progress() == []
+        assert yields == [], "a short burst of polls yielded"
+        for _ in range(200):
+            t.status()
+        # Each turn comes microseconds after the last; a preemption longer than the gap only
+        # restarts the count, so on a loaded machine a few turns may not yield.
+        assert len(yields) > 100, f"a loop of 200 polls yielded {len(yields)} times"
+    finally:
+        a.close()
+        b.close()
