@@ -200,10 +200,10 @@ def test_caller_spinning_on_status_does_not_starve_the_transfer(fresh):
     A backend that moves bytes on Python threads needs the GIL between native calls, and
     a caller spinning on ``status()`` takes it back at once each turn (the core yields it
     once the same pending transfer has been polled many times in a row, microseconds apart:
-    ``kvtransport.transfer.SPIN_POLLS_BEFORE_YIELD``). CPython's
-    forced switch is pushed out of reach while spinning (``sys.setswitchinterval``), so the
-    transfer finishes only if polling lets those threads run. The spin ends at the
-    transfer's deadline at the latest (T2); nothing is timed."""
+    ``kvtransport.transfer.SPIN_POLLS_BEFORE_YIELD``). CPython's forced switch is pushed
+    out of reach while spinning (``sys.setswitchinterval``), so the transfer finishes only
+    if polling lets those threads run. The spin ends at the transfer's deadline at the
+    latest (T2); nothing is timed."""
     ids = np.arange(NBLOCKS)
     t = fresh.local.write(fresh.peer, fresh.layout_l.segments(ids), fresh.layout_r.segments(ids), timeout=30)
     old = sys.getswitchinterval()

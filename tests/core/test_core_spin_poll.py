@@ -57,7 +57,7 @@ def _spin(until_done: Callable[[], bool]) -> int:
         sys.setswitchinterval(old)
 
 
-def _write(a: kvt.Agent, src: np.ndarray, dst: np.ndarray, peer: kvt.Peer) -> kvt.Transfer:
+def _write(a: kvt.Agent, peer: kvt.Peer) -> kvt.Transfer:
     local = a.regions[0].segments(np.array([0]), np.array([SIZE]))
     remote = peer.regions[0].segments(np.array([0]), np.array([SIZE]))
     return a.write(peer, local, remote)
@@ -65,7 +65,7 @@ def _write(a: kvt.Agent, src: np.ndarray, dst: np.ndarray, peer: kvt.Peer) -> kv
 
 def test_spinning_on_status_lets_the_transfer_finish(pair) -> None:
     a, _b, src, dst, peer = pair
-    t = _write(a, src, dst, peer)
+    t = _write(a, peer)
     polls = _spin(lambda: t.status().done)
     assert polls <= MAX_POLLS, "the transfer never finished while the caller spun on status()"
     assert t.status().ok
@@ -74,7 +74,7 @@ def test_spinning_on_status_lets_the_transfer_finish(pair) -> None:
 
 def test_spinning_on_agent_progress_lets_the_transfer_finish(pair) -> None:
     a, _b, src, dst, peer = pair
-    t = _write(a, src, dst, peer)
+    t = _write(a, peer)
     polls = _spin(lambda: t in a.progress())
     assert polls <= MAX_POLLS, "the transfer never finished while the caller spun on Agent.progress()"
     assert t.last_status.ok
