@@ -69,6 +69,7 @@ if str(VLLM_TESTS) not in sys.path:
     sys.path.insert(0, str(VLLM_TESTS))
 
 from harness import Engine, free_port_base  # noqa: E402
+import torch  # noqa: E402
 
 from kvtransport_vllm.consumer import RecvState  # noqa: E402
 from kvtransport_vllm.side_channel import SideChannelClient  # noqa: E402
@@ -450,6 +451,8 @@ class Soak:
             raise
         self.cw = self.C.worker._worker
         self.reqs: dict[str, _Req] = {}
+        #: every prompt issued, ended requests' too: an I5 violation names whose KV it found
+        self.prompts: dict[str, list[int]] = {}
         self.active: set[str] = set()  # issued and not yet ended everywhere we track
         self.issued = 0
         self.producer_died_at: float | None = None
@@ -464,6 +467,37 @@ class Soak:
         if len(self.res.violations) < 200:
             self.res.violations.append(f"[step {self.res.steps}] {what}")
 
+    def _whose_kv(self, rid: str, bad: list[int]) -> str:
+        """What the consumer's blocks ``bad`` of ``rid`` hold instead, decoded from the
+        harness's KV pattern (token * 1000 + position + layer / 4, layer 0, first head): never
+        written (zeros), or which issued requests' tokens at which positions -- so a failure
+        names the write that landed there (e.g. a stale write of an earlier request)."""
+        C = self.C
+        ids = C.block_ids(rid)
+        layer0 = next(iter(C.kv_caches.values()))
+        parts = []
+        for b_i in bad:
+            vals = layer0[ids[b_i], 0, :, 0]
+            if not torch.any(vals):
+                parts.append(f"block {b_i} (id {ids[b_i]}): zeros, never written")
+                continue
+            toks = torch.div(vals, 1000, rounding_mode="floor").long().tolist()
+            pos = torch.round(vals - torch.tensor(toks, dtype=vals.dtype) * 1000).long().tolist()
+            # runs of slots holding consecutive positions of the same prompt(s): a run's owners
+            # are the prompts matching every slot of it (one token alone matches many)
+            runs: list[tuple[int, int, int, set[str]]] = []  # first slot, last slot, last position, owners
+            for slot, (t, p) in enumerate(zip(toks, pos)):
+                here = ({"zeros"} if not (t or p) else
+                        {o for o, prompt in self.prompts.items() if 0 <= p < len(prompt) and prompt[p] == t})
+                if runs and runs[-1][2] + 1 == p and runs[-1][3] & here:
+                    runs[-1] = (runs[-1][0], slot, p, runs[-1][3] & here)
+                else:
+                    runs.append((slot, slot, p, here))
+            desc = ", ".join(f"slots {lo}-{hi} hold positions {p - (hi - lo)}-{p} of "
+                             f"{sorted(o) or 'no issued prompt'}" for lo, hi, p, o in runs)
+            parts.append(f"block {b_i} (id {ids[b_i]}): {desc}")
+        return "; ".join(parts)
+
     def _issue(self, now: float) -> None:
         cfg = self.cfg
         rid = f"r{self.issued}"
@@ -471,6 +505,7 @@ class Soak:
         n = self.rng.randint(cfg.min_prompt, cfg.max_prompt)
         prompt = [self.rng.randrange(3, 500) for _ in range(n)]
         r = _Req(rid, prompt, now, producer_gen=getattr(self.P, "generation", 0))
+        self.prompts[rid] = prompt
         x = self.rng.random()
         if x < cfg.p_abort_rate:
             r.fate = "p_abort"
@@ -572,7 +607,8 @@ class Soak:
             if rid not in failed and C.status(rid) == WFRK:
                 bad = C.check_kv(rid, r.prompt, len(r.prompt))
                 if bad:
-                    self._violation(f"I5 {rid} reported loaded but blocks {bad} differ from the producer's bytes")
+                    self._violation(f"I5 {rid} reported loaded but blocks {bad} differ from the producer's bytes; "
+                                    + self._whose_kv(rid, bad))
                 self.res.blocks_verified += math.ceil(len(r.prompt) / self.cfg.block_size)
                 if self.cfg.mode == "read":
                     why = self.P.lease_end(r.key)

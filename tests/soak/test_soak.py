@@ -107,6 +107,8 @@ def test_soak_detects_stale_reads_when_the_guard_is_removed(monkeypatch):
     res = Soak(cfg).run()
     i5 = [v for v in res.violations if " I5 " in v]
     assert i5, "a stale read was accepted but the soak did not notice"
+    # and it names whose KV was read instead: another request's, from reused producer blocks
+    assert any(" of ['r" in v for v in i5), i5[:3]
 
 
 def test_soak_detects_a_give_up_later_than_the_deadline(monkeypatch):
