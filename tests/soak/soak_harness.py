@@ -662,10 +662,13 @@ class Soak:
                 self._i2_seen.add(rid)
                 self._violation(f"I2 {rid} still in {rec.state.value} at a step begun {late:.3f}s after "
                                 f"its load deadline")
-            elif rec.state is RecvState.CANCEL and late > cutoff:
+            elif rec.state is RecvState.CANCEL and step_began - self.cw.consumer._silent_since(rec) > cutoff:
+                # the producer is considered gone only once silent that long (it may answer
+                # "pending" while its write is in flight: then the blocks must wait)
                 self._i2_seen.add(rid)
                 self._violation(f"I2 {rid} still waiting for the cancel ack at a step begun {late:.3f}s "
-                                f"after its deadline, past lease + transfer timeout ({cutoff:.1f}s)")
+                                f"after its deadline, the producer silent past lease + transfer timeout "
+                                f"({cutoff:.1f}s)")
 
     def _check_threads(self) -> None:
         if self.cw.server is None or not self.cw.server._thread.is_alive():

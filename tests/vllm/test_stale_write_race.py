@@ -203,3 +203,37 @@ def test_give_up_messages_while_post_blocks_keep_the_hold(pairs, kind):
     assert not any(o.invalid_block_ids for o in pair.C.kv_outputs)
     pair.drain()
     pair.assert_no_leak()
+
+
+def test_write_in_flight_past_lease_and_deadline_keeps_the_consumer_blocks(pairs):
+    """A producer that stays reachable and answers "pending" to the consumer's cancel (its
+    write is still in flight) past the consumer's deadline + lease + transfer timeout: the
+    consumer keeps its blocks until the write has ended. Its "considered gone" rule counts
+    from the producer's last answer; it used to count from the deadline and handed the
+    blocks back to vLLM while the write could still land in them (found from a soak I5
+    failure: two requests' blocks held wrong bytes)."""
+    pair = pairs("write", policy="recompute", timeout_s=0.5, lease_s=1.0, p_extra=FAULTS)
+    prompt = prompt_of(50, seed=62)
+    params, gate, loop = _start_gated_write(pair, prompt)
+    blocks = pair.C.block_ids("c1")
+    freed_while_posting = False
+    try:
+        pair.C.abort("c1")  # the consumer gives up while the write is blocked in post
+        # step the consumer to twice deadline + lease + timeout (2 s here), the post held
+        end = time.monotonic() + 4.0
+        while time.monotonic() < end and not freed_while_posting:
+            pair.C.step()
+            freed_while_posting = _recvd(pair.C, "c1") and not gate.passed.is_set()
+            time.sleep(0.005)
+    finally:
+        gate.release()
+        assert gate.passed.wait(30), "the gated post never returned"
+    try:
+        # the write has ended: the producer acks, the load ends and the blocks go back
+        _step_c_until(pair, lambda: _recvd(pair.C, "c1"))
+    finally:
+        loop.join()
+    assert not freed_while_posting, f"consumer freed blocks {blocks} while the producer's write was still being posted"
+    assert not gate.timed_out
+    pair.drain()
+    pair.assert_no_leak()

@@ -14,7 +14,7 @@ The consumer's half of the stale-write invariant: **once a "write into my blocks
 have left (``write_requested`` is set before it is sent), the request reaches FINISHED,
 and so vLLM may reuse its blocks, only on the producer's word that its write has ended
 ("written", or "acked" / "expired" for the Cancel), or when every process that could
-write is known gone (exited, or unreachable past its lease plus a transfer deadline)**.
+write is known gone (exited, or silent past its lease plus a transfer deadline)**.
 The producer keeps its side (no ack while its write is POSTING or POSTED, see
 :mod:`.producer`). READ mode: a failed READ finishes only once quiesced (T3).
 """
@@ -119,6 +119,7 @@ class Consumer:
                 pc = r.piece_by_cid(msg.cid) if r is not None else None
                 if r is None or pc is None:
                     continue  # late or duplicate reply: dropped (R3)
+                pc.heard = time.monotonic()
                 self._on_status(r, pc, status)
 
     def _on_status(self, r: Recv, pc: PieceLoad, status: str) -> None:
@@ -266,12 +267,20 @@ class Consumer:
             # cannot write ("the producer is known gone").
             r.fail(Cause.PEER_GONE, r.error + "; producer process is gone: no write can land any more")
             self._finish(r, ok=False)
-        elif now >= r.deadline + self.ctx.cfg.lease_s + self.ctx.cfg.transfer_timeout_s:
+        elif now >= self._silent_since(r) + self.ctx.cfg.lease_s + self.ctx.cfg.transfer_timeout_s:
             # Producer unreachable for longer than its lease plus a transfer deadline: it
             # can no longer write into our blocks (it dropped the hold and any write it
-            # posted has ended). Known gone.
+            # posted has ended). Known gone. Counted from its last answer, not from our
+            # deadline: a producer still answering "pending" has a write in flight that may
+            # land in these blocks (its copy can outlast any deadline on a loaded host).
             r.fail(Cause.PEER_GONE, r.error + "; producer unreachable, considered gone")
             self._finish(r, ok=False)
+
+    @staticmethod
+    def _silent_since(r: Recv) -> float:
+        """Since when every producer rank that has not acknowledged our cancel is silent:
+        its last answer about the key, or the load's deadline if later."""
+        return max([r.deadline] + [pc.heard for pc in r.pieces if pc.answer != "acked"])
 
     def _writers_gone(self, r: Recv) -> bool:
         """Every producer rank still unacknowledged that may write to us has exited."""

@@ -46,6 +46,9 @@ class PieceLoad:
     cid: int = 0  # the last confirmation / write request / cancel sent for this piece
     answer: str = ""  # the producer rank's last verdict ("ok", "acked", ...)
     written: bool | None = None  # WRITE: this producer rank's "written" verdict
+    #: when this producer rank last answered about the key (monotonic; 0: never): a rank
+    #: that answers is reachable, so its silence, not the deadline, starts "considered gone"
+    heard: float = 0.0
     #: WRITE: the producer process the write request reached (None: sent while the
     #: hand-shake was not complete, so the receiving process is unknown)
     writers: list = field(default_factory=list)
