@@ -662,7 +662,7 @@ class Soak:
                 self._i2_seen.add(rid)
                 self._violation(f"I2 {rid} still in {rec.state.value} at a step begun {late:.3f}s after "
                                 f"its load deadline")
-            elif rec.state is RecvState.CANCEL and step_began - self.cw.consumer._silent_since(rec) > cutoff:
+            elif rec.state is RecvState.CANCEL and step_began - rec.silent_since > cutoff:
                 # the producer is considered gone only once silent that long (it may answer
                 # "pending" while its write is in flight: then the blocks must wait)
                 self._i2_seen.add(rid)

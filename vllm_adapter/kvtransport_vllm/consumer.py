@@ -267,7 +267,7 @@ class Consumer:
             # cannot write ("the producer is known gone").
             r.fail(Cause.PEER_GONE, r.error + "; producer process is gone: no write can land any more")
             self._finish(r, ok=False)
-        elif now >= self._silent_since(r) + self.ctx.cfg.lease_s + self.ctx.cfg.transfer_timeout_s:
+        elif now >= r.silent_since + self.ctx.cfg.lease_s + self.ctx.cfg.transfer_timeout_s:
             # Producer unreachable for longer than its lease plus a transfer deadline: it
             # can no longer write into our blocks (it dropped the hold and any write it
             # posted has ended). Known gone. Counted from its last answer, not from our
@@ -275,12 +275,6 @@ class Consumer:
             # land in these blocks (its copy can outlast any deadline on a loaded host).
             r.fail(Cause.PEER_GONE, r.error + "; producer unreachable, considered gone")
             self._finish(r, ok=False)
-
-    @staticmethod
-    def _silent_since(r: Recv) -> float:
-        """Since when every producer rank that has not acknowledged our cancel is silent:
-        its last answer about the key, or the load's deadline if later."""
-        return max([r.deadline] + [pc.heard for pc in r.pieces if pc.answer != "acked"])
 
     def _writers_gone(self, r: Recv) -> bool:
         """Every producer rank still unacknowledged that may write to us has exited."""

@@ -97,5 +97,11 @@ class Recv:
         return True if verdicts and all(verdicts) else None
 
     @property
+    def silent_since(self) -> float:
+        """WRITE cancel: since when every producer rank that has not acknowledged it is
+        silent -- its last answer about the key, or the load's deadline if later."""
+        return max([self.deadline] + [pc.heard for pc in self.pieces if pc.answer != "acked"])
+
+    @property
     def writers(self) -> list:
         return [w for pc in self.pieces for w in pc.writers]
