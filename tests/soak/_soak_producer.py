@@ -5,7 +5,8 @@ Argument: one JSON object {"extra": kv_connector_extra_config, "sc_faults": {...
 ``{"cmd": "add", "rid", "prompt"}``, ``{"cmd": "abort", "rid"}``, ``{"cmd": "drain",
 "timeout"}``, ``{"cmd": "quit"}``. Output lines: ``{"params": {rid: kv_transfer_params}}``,
 ``{"ended": [rid]}`` (aborted before its prefill finished), ``{"faults": {...}}`` (cumulative,
-twice a second), ``{"report": {...}}`` (after drain: leaks), ``{"error": traceback}`` (an
+whenever the counts changed: the soak SIGKILLs this process, often within half a second of its
+first step, and counts it had not written yet would be lost), ``{"report": {...}}`` (after drain: leaks), ``{"error": traceback}`` (an
 exception escaped the engine step: the soak counts it as a violation).
 """
 
@@ -47,7 +48,7 @@ def main() -> None:
         f.update(sc.counts)
         return f
 
-    last_faults = 0.0
+    sent_faults = None
     drain_until = None
     while True:
         try:
@@ -79,9 +80,10 @@ def main() -> None:
             out(params=params)
         sc.flush()
         now = time.monotonic()
-        if now - last_faults > 0.5:
-            last_faults = now
-            out(faults=faults())
+        f = faults()
+        if f != sent_faults:
+            sent_faults = f
+            out(faults=f)
         if drain_until is not None and ((not P.scheduler.requests and not w._holds) or now > drain_until):
             st = w.agent.stats()
             out(report={"producer_blocks": P.free0 - P.free_blocks(), "producer_pending": st["pending"],

@@ -323,7 +323,8 @@ class ChildProducer:
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, bufsize=1)
         self._q: queue.Queue = queue.Queue()
         self._stderr: list[str] = []
-        threading.Thread(target=self._reader, args=(self.proc, self._q), daemon=True).start()
+        self._reader_thread = threading.Thread(target=self._reader, args=(self.proc, self._q), daemon=True)
+        self._reader_thread.start()
         threading.Thread(target=self._err_reader, args=(self.proc,), daemon=True).start()
         self.outstanding: set[str] = set()
         self.last_report: dict[str, Any] = {}
@@ -380,10 +381,27 @@ class ChildProducer:
         the dead one still owed (they never reach the consumer)."""
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
+        self._harvest_dead()
         lost = set(self.outstanding)
         self.died = True
         self._start()
         return lost
+
+    def _harvest_dead(self) -> None:
+        """Read what the killed process wrote before it died: its last fault counts (a
+        process killed soon after its first step would otherwise take the faults it injected
+        with it, and the run would wrongly say a kind was never injected) and its errors.
+        Its other lines are dropped: the requests they name are lost with it."""
+        self._reader_thread.join(timeout=10)  # ends at EOF: the process is gone
+        while True:
+            try:
+                msg = json.loads(self._q.get_nowait())
+            except queue.Empty:
+                return
+            if "faults" in msg:
+                self.faults_by_gen[self.generation] = msg["faults"]
+            elif "error" in msg:
+                self.errors.append(msg["error"])
 
     def lease_end(self, key: str) -> str | None:
         return None  # not observable across processes; bytes are still checked
