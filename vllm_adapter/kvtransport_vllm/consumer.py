@@ -116,9 +116,16 @@ class Consumer:
             for key, status in msg.status.items():
                 rid = self.recv_by_key.get(key)
                 r = self.recv.get(rid) if rid else None
-                pc = r.piece_by_cid(msg.cid) if r is not None else None
-                if r is None or pc is None:
-                    continue  # late or duplicate reply: dropped (R3)
+                if r is None:
+                    continue
+                pc = r.piece_by_cid(msg.cid)
+                if pc is None:
+                    # late or duplicate reply: its verdict is dropped (R3), but the producer
+                    # rank answered, so it is reachable (see PieceLoad.recent_cids)
+                    late = r.piece_by_recent_cid(msg.cid)
+                    if late is not None:
+                        late.heard = time.monotonic()
+                    continue
                 pc.heard = time.monotonic()
                 self._on_status(r, pc, status)
 
@@ -158,7 +165,11 @@ class Consumer:
             self._start_giving_up(r)
         elif r.state is RecvState.WRITE_WAIT and status == "hello":
             # the producer does not know us (it restarted): hand-shake again; the write
-            # request is re-sent until the deadline
+            # request is re-sent until the deadline. The process that answered keeps our
+            # blocks as the destination and writes once it has our hand-shake, and it is not
+            # the process our hand-shake named: a writer we cannot watch (never "gone")
+            if all(w is not None for w in pc.writers):
+                pc.writers.append(None)
             self._reset_peer(r.job.host, pc.port)
             self.peer(r.job.host, pc.port)
 
@@ -187,6 +198,12 @@ class Consumer:
                 # another producer now answers at this address (restarted), or the hand-shake
                 # failed before this load began: hand-shake again (once per load: a hand-shake
                 # that fails during this load ends it with the reason, not by its deadline)
+                p.state = "new"
+                p = self.peer(job.host, pc.port)
+            elif p.state == "ready" and self.ctx.agent.peer_alive(p.kvt_peer) is False:
+                # the process we hand-shook with has exited: a producer restarted under the
+                # same engine id answers here now. Hand-shake with it before asking it to
+                # write, so the load knows which process writes into its blocks
                 p.state = "new"
                 p = self.peer(job.host, pc.port)
             conns.append(p)

@@ -53,8 +53,8 @@ class LoadMessages:
     def confirm(self, r: Recv, now: float) -> None:
         for pc in r.pieces:
             if pc.answer != "ok":
-                pc.cid = self.peers.get(r.job.host, pc.port).client.send(
-                    Done(keys=[r.job.key], instance=pc.instance, rank=self.ctx.tp_rank, readers=pc.readers))
+                pc.sent(self.peers.get(r.job.host, pc.port).client.send(
+                    Done(keys=[r.job.key], instance=pc.instance, rank=self.ctx.tp_rank, readers=pc.readers)))
         r.last_sent = now
 
     def write_req(self, r: Recv, now: float) -> None:
@@ -65,23 +65,28 @@ class LoadMessages:
                 continue
             p = self.peers.get(r.job.host, pc.port)
             writer = p.kvt_peer if p.state == "ready" else None
+            if writer is not None and self.ctx.agent.peer_alive(writer) is False:
+                # the process we hand-shook with has exited, so whoever answers at this
+                # address now (a producer restarted under the same engine id) is unknown:
+                # its exit says nothing about the process that receives this request
+                writer = None
             if not any(w is writer for w in pc.writers):
                 pc.writers.append(writer)
             piece = pc.piece
             whole = piece.num_heads in (0, ours) and (p.info is None or piece.num_heads in (0, p.info.kv_heads))
-            pc.cid = p.client.send(WriteReq(
+            pc.sent(p.client.send(WriteReq(
                 key=r.job.key, block_ids=list(r.job.local_block_ids), group_sizes=list(r.job.group_sizes),
                 engine_id=self.ctx.name,
                 reply_host=self.ctx.cfg.side_channel_host, reply_port=self.ctx.port, rank=self.ctx.tp_rank,
                 readers=pc.readers, src_head=0 if whole else piece.remote_head,
-                dst_head=0 if whole else piece.local_head, num_heads=0 if whole else piece.num_heads))
+                dst_head=0 if whole else piece.local_head, num_heads=0 if whole else piece.num_heads)))
         r.last_sent = now
 
     def cancel(self, r: Recv, now: float) -> None:
         for pc in r.pieces:
             if pc.answer != "acked" and pc.writers:
-                pc.cid = self.peers.get(r.job.host, pc.port).client.send(
-                    Cancel(keys=[r.job.key], rank=self.ctx.tp_rank, readers=pc.readers))
+                pc.sent(self.peers.get(r.job.host, pc.port).client.send(
+                    Cancel(keys=[r.job.key], rank=self.ctx.tp_rank, readers=pc.readers)))
         r.last_sent = now
 
     def release(self, r: Recv) -> None:

@@ -128,8 +128,10 @@ class Producer:
         self.consumer_layouts: dict[str, LayoutInfo] = {}
         self.done_sending: set[str] = set()
         #: releases from some of several readers before we learnt of the hold:
-        #: key -> (readers, {rank: how}, expiry)
-        self.early_finished: dict[str, tuple[int, dict[int, str], float]] = {}
+        #: key -> (readers, {rank: how}). Kept, like ``ended``, for the last _RECENT keys and
+        #: not for a lease only: a consumer rank whose cancel we acked has handed its blocks
+        #: back, so a write request of its that arrives late must never be written
+        self.early_finished: OrderedDict[str, tuple[int, dict[int, str]]] = OrderedDict()
 
     # ------------------------------------------------------------------ engine thread
     def add(self, jobs: list[HoldJob], now: float) -> None:
@@ -143,13 +145,16 @@ class Producer:
                 continue
             hold = Hold(j.req_id, j.key, list(j.block_ids), expiry=now + self.ctx.cfg.lease_s,
                         group_sizes=list(j.group_sizes))
-            early = self.early_dest.pop(j.key, None)
-            if early is not None:
-                hold.dest, hold.queue = early[0][0], early[0][1:]
-                hold.readers = max(d.readers for d in early[0])
             part = self.early_finished.pop(j.key, None)
             if part is not None:
                 hold.readers, hold.finished = part[0], dict(part[1])
+            early = self.early_dest.pop(j.key, None)
+            if early is not None:
+                hold.readers = max([hold.readers] + [d.readers for d in early[0]])
+                # never a rank that gave up meanwhile (we acked it: its blocks are vLLM's again)
+                dests = [d for d in early[0] if d.rank not in hold.finished]
+                if dests:
+                    hold.dest, hold.queue = dests[0], dests[1:]
             self.holds[j.key] = hold
 
     def note_aborted(self, key: str) -> None:
@@ -184,9 +189,6 @@ class Producer:
             for key, (_, exp) in list(self.early_dest.items()):
                 if now >= exp:
                     del self.early_dest[key]
-            for key, (_, _, exp) in list(self.early_finished.items()):
-                if now >= exp:
-                    del self.early_finished[key]
         for h in holds:
             self._advance(h, now)
 
@@ -331,9 +333,16 @@ class Producer:
         why = self.ended.get(key)
         if why is None and give_up and readers > 1:
             # one of several readers: remember it; the hold waits for the others on arrival
-            _, seen, _ = self.early_finished.get(key, (readers, {}, 0.0))
+            _, seen = self.early_finished.get(key, (readers, {}))
             seen.setdefault(rank, "released")
-            self.early_finished[key] = (readers, seen, time.monotonic() + self.ctx.cfg.lease_s)
+            self.early_finished[key] = (readers, seen)
+            self.early_finished.move_to_end(key)
+            while len(self.early_finished) > _RECENT:
+                self.early_finished.popitem(last=False)
+            # its write request, if one came first, must not be written on the hold's arrival
+            early = self.early_dest.get(key)
+            if early is not None:
+                self.early_dest[key] = ([d for d in early[0] if d.rank != rank], early[1])
             return "acked"
         if why is None and give_up:
             # before we learnt of the key: remember, free on arrival
@@ -419,7 +428,7 @@ class Producer:
                 return "ok"
         if msg.engine_id not in self.consumer_md and msg.key not in self.ended:
             # we cannot write to a consumer we never hand-shook with (we restarted)
-            if h is not None and h.dest is None:
+            if h is not None and h.dest is None and dest.rank not in h.finished:
                 h.dest, h.expiry = dest, lease
             elif h is None:
                 self._early(msg.key, dest, lease)
@@ -431,10 +440,19 @@ class Producer:
             return "ok"
         if msg.key in self.ended:
             return "aborted" if self.ended[msg.key] == "aborted" else "expired"
+        if self._rank_gave_up(msg.key, dest.rank):
+            return "expired"  # a late or duplicated request of a rank whose cancel we acked
         self._early(msg.key, dest, lease)
         return "pending"
 
+    def _rank_gave_up(self, key: str, rank: int) -> bool:
+        """Consumer ``rank`` released / cancelled ``key`` before we learnt of the hold."""
+        return rank in self.early_finished.get(key, (0, {}))[1]
+
     def _early(self, key: str, dest: Dest, lease: float) -> None:
-        """Remember a destination that came before the hold (one per consumer rank)."""
+        """Remember a destination that came before the hold (one per consumer rank), unless
+        that rank has given up on the key: we acked it, its blocks may be reused."""
+        if self._rank_gave_up(key, dest.rank):
+            return
         dests = [d for d in self.early_dest.get(key, ([], 0.0))[0] if d.rank != dest.rank]
         self.early_dest[key] = (dests + [dest], lease)

@@ -11,6 +11,7 @@ fails as a whole when any piece fails (docs/LIFECYCLE.md, per-piece rules).
 from __future__ import annotations
 
 import enum
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,16 @@ class PieceLoad:
     #: WRITE: the producer process the write request reached (None: sent while the
     #: hand-shake was not complete, so the receiving process is unknown)
     writers: list = field(default_factory=list)
+    #: cids of this piece's recent messages: a reply to any of them shows the producer rank
+    #: is reachable (``heard``), though only the latest one's verdict is acted on. Why: we
+    #: resend every 50 ms, and a loaded producer answering each message 60 ms later would
+    #: otherwise never count as heard, and be "considered gone" with its write in flight
+    recent_cids: deque = field(default_factory=lambda: deque(maxlen=256))
+
+    def sent(self, cid: int) -> None:
+        """Record the cid of a message just sent about this piece."""
+        self.cid = cid
+        self.recent_cids.append(cid)
 
 
 @dataclass
@@ -82,6 +93,10 @@ class Recv:
 
     def piece_by_cid(self, cid: int) -> PieceLoad | None:
         return next((pc for pc in self.pieces if pc.cid == cid), None)
+
+    def piece_by_recent_cid(self, cid: int) -> PieceLoad | None:
+        """The piece one of whose recent messages had this cid (a late reply)."""
+        return next((pc for pc in self.pieces if cid in pc.recent_cids), None)
 
     @property
     def transfer(self) -> Any:

@@ -1,0 +1,197 @@
+"""Block-release races of the WRITE lifecycle, driven message by message.
+
+These tests drive the connector's own state machines (``Producer``, ``Consumer``) directly,
+with a stand-in worker context: no engine, no backend, no socket. What they check is the
+protocol's decisions -- which destination a producer writes to, when a consumer hands its
+blocks back -- in interleavings that real pairs reach only by chance (the soak found one of
+them: a producer SIGKILLed and restarted under the same engine id wrote a request's KV into
+blocks the consumer had already handed back, which two later requests then reported as
+theirs). The byte-level consequences are checked by the soak and by
+``test_stale_write_race.py`` on real engines; each case here failed before its fix.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+import kvtransport_vllm.consumer as consumer_module
+from kvtransport_vllm.consumer import Consumer, RecvState
+from kvtransport_vllm.load_stats import new_stats
+from kvtransport_vllm.messages import HoldJob, RecvJob, Reply, WriteReq
+from kvtransport_vllm.producer import Producer
+from kvtransport_vllm.producer_peers import PeerConn
+
+_cids = itertools.count(1)
+
+
+class _Client:
+    """Records what the consumer sends; gives every message a fresh cid, as the side channel does."""
+
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, msg) -> int:
+        msg.cid = next(_cids)
+        self.sent.append(msg)
+        return msg.cid
+
+    def poll(self) -> list:
+        return []
+
+
+class _Liveness:
+    """Stand-in for ``Agent.peer_alive``: which producer processes run."""
+
+    def __init__(self, alive: dict[str, bool]) -> None:
+        self.alive = alive
+
+    def peer_alive(self, peer) -> bool | None:
+        return self.alive.get(peer)
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """The consumer's clock, moved by the test only (it stamps replies with time.monotonic())."""
+    now = [time.monotonic()]
+    monkeypatch.setattr(consumer_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    return now
+
+
+def _consumer(alive: dict[str, bool]) -> Consumer:
+    cfg = SimpleNamespace(lease_s=2.0, transfer_timeout_s=1.0, side_channel_host="h")
+    layout = SimpleNamespace(kv_heads=1, total_kv_heads=1)
+    ctx = SimpleNamespace(cfg=cfg, lock=threading.RLock(), stats=new_stats(), agent=_Liveness(alive), tp_rank=0,
+                          tp_size=1, name="C-tp0", port=9, layout=layout, agent_md=b"md",
+                          new_client=lambda h, p: _Client(), client_to=lambda h, p: _Client())
+    return Consumer(ctx)
+
+
+def _write_load(c: Consumer, now: float) -> None:
+    with c.ctx.lock:
+        c.add([RecvJob(req_id="r", key="K", mode="write", local_block_ids=[5, 6], remote_block_ids=[],
+                       host="h", port=100, remote_engine_id="P")], now)
+
+
+def _producer() -> tuple[Producer, list]:
+    cfg = SimpleNamespace(lease_s=30.0, transfer_timeout_s=5.0)
+    ctx = SimpleNamespace(cfg=cfg, lock=threading.RLock(), stats=new_stats(), agent=None, tp_rank=0,
+                          layout=None, local_layouts=[], layer_group=[])
+    p = Producer(ctx)
+    p.consumer_md["C-tp0"] = p.consumer_md["C-tp1"] = b"md"
+    posted: list = []
+    p._post_write = lambda hold, dest: posted.append(dest)  # the write the engine thread would post
+    return p, posted
+
+
+def _write_req(rank: int, blocks: list[int], readers: int = 2) -> WriteReq:
+    return WriteReq(key="K", block_ids=blocks, engine_id=f"C-tp{rank}", reply_host="h", reply_port=1 + rank,
+                    rank=rank, readers=readers, src_head=rank, dst_head=0, num_heads=1)
+
+
+# -- producer: a consumer rank that gave up before the hold existed --------------------------
+def test_reader_cancelled_before_the_hold_is_never_written():
+    """Consumer TP 2 over producer TP 1 (two readers). Rank 1 asks for its write before the
+    producer knows the hold, then cancels and is acked: its blocks are vLLM's again. When the
+    hold arrives, rank 1's early destination must be dropped; rank 0's is written."""
+    p, posted = _producer()
+    now = time.monotonic()
+    assert p.answer_write_req(_write_req(1, [7, 8]), now) == "pending"
+    assert p.answer_write_req(_write_req(0, [3, 4]), now) == "pending"
+    assert p.answer_give_up("K", now, rank=1, readers=2) == "acked"
+    p.add([HoldJob(req_id="r", key="K", block_ids=[1, 2])], now)
+    p._advance(p.holds["K"], now)
+    assert [d.rank for d in posted] == [0], posted
+
+
+def test_late_write_request_of_a_cancelled_reader_is_refused():
+    """A write request of rank 1 delayed past its own (acked) cancel is answered "expired"
+    and never becomes a destination, however long after the cancel it comes."""
+    p, posted = _producer()
+    now = time.monotonic()
+    assert p.answer_give_up("K", now, rank=1, readers=2) == "acked"
+    p.advance(now + 100.0)  # long past any lease: the record of rank 1's cancel is kept
+    assert p.answer_write_req(_write_req(1, [7, 8]), now + 100.0) == "expired"
+    p.add([HoldJob(req_id="r", key="K", block_ids=[1, 2])], now + 100.0)
+    h = p.holds["K"]
+    p._advance(h, now + 100.0)
+    assert posted == [] and h.dest is None, (posted, h.dest)
+
+
+# -- consumer: which process may still write -------------------------------------------------
+def test_hand_shake_with_an_exited_producer_is_renewed_before_the_write_request(clock):
+    """The producer we hand-shook with (P1) exited; another process (P2) answers at its address
+    under the same engine id. A new load must hand-shake again instead of sending its write
+    request on P1's hand-shake: P1's exit would later read as "no write can land", while P2,
+    which received the request, may be writing."""
+    c = _consumer({"P1": False, "P2": True})
+    c.producers.peers[("h", 100)] = PeerConn("h", 100, _Client(), state="ready", kvt_peer="P1",
+                                             engine_name="P-tp0")
+    now = clock[0]
+    _write_load(c, now)
+    c.advance(now)
+    r = c.recv["r"]
+    assert r.state is RecvState.CONNECT, r.state
+    assert c.producers.peers[("h", 100)].state != "ready"
+    assert r.pieces[0].writers == []
+
+
+def test_producer_that_answers_hello_is_a_writer_its_predecessors_exit_does_not_clear(clock):
+    """P1 was alive when the write request left, then died; P2 (restarted, same engine id)
+    received the request, answered "hello" and keeps our blocks as its destination. After the
+    request is aborted, P1's exit must not end the load: only P2's ack (or its silence for
+    lease + timeout) may."""
+    alive = {"P1": True, "P2": True}
+    c = _consumer(alive)
+    c.producers.peers[("h", 100)] = PeerConn("h", 100, _Client(), state="ready", kvt_peer="P1",
+                                             engine_name="P-tp0")
+    now = clock[0]
+    _write_load(c, now)
+    c.advance(now)
+    r = c.recv["r"]
+    assert r.state is RecvState.WRITE_WAIT and r.pieces[0].writers == ["P1"]
+    alive["P1"] = False
+    c.on_reply(Reply(cid=r.pieces[0].cid, status={"K": "hello"}))
+    c.mark_aborted({"r"})
+    c.advance(now + 0.1)
+    assert r.state is RecvState.CANCEL
+    for k in range(1, 20):  # answered "pending" meanwhile: its write may be in flight
+        clock[0] = now + 0.1 + 0.06 * k
+        c.advance(clock[0])
+        c.on_reply(Reply(cid=r.pieces[0].cid, status={"K": "pending"}))
+    assert "r" not in c.done_recving, "blocks handed back while the producer that has them may write"
+    c.on_reply(Reply(cid=r.pieces[0].cid, status={"K": "acked"}))
+    assert "r" in c.done_recving  # the writer's own word ends it
+
+
+def test_late_pending_replies_keep_a_cancelling_load_from_considering_its_producer_gone(clock):
+    """The producer answers every Cancel "pending" (its write is in flight), each answer 60 ms
+    after the Cancel it answers while the consumer resends every 50 ms: every answer names a
+    superseded cid. They still show the producer is reachable, so the load must not hand its
+    blocks back after lease + timeout (3 s here)."""
+    c = _consumer({"P": True})
+    c.producers.peers[("h", 100)] = PeerConn("h", 100, _Client(), state="ready", kvt_peer="P",
+                                             engine_name="P-tp0")
+    t0 = clock[0]
+    _write_load(c, t0)
+    c.advance(t0)
+    r = c.recv["r"]
+    c.mark_aborted({"r"})
+    c.advance(t0 + 0.01)
+    assert r.state is RecvState.CANCEL
+    t, last = t0 + 0.01, r.pieces[0].cid
+    for _ in range(80):  # 4.8 s of answers, each one cid late
+        t += 0.06
+        clock[0] = t
+        c.advance(t)
+        c.on_reply(Reply(cid=last, status={"K": "pending"}))
+        last = r.pieces[0].cid
+    assert "r" not in c.done_recving, f"considered gone although it answered; heard={r.pieces[0].heard}"
+    # silence after the last answer still frees the blocks (the producer may really be gone)
+    clock[0] = t + c.ctx.cfg.lease_s + c.ctx.cfg.transfer_timeout_s + 0.1
+    c.advance(clock[0])
+    assert "r" in c.done_recving
