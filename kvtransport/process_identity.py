@@ -52,6 +52,21 @@ def _parse_stat(data: bytes) -> list[str] | None:
     return data[end + 2:].decode("ascii", "replace").split()
 
 
+def _other_threads_run(pid: int) -> bool:
+    """Whether the thread group of ``pid`` still has a thread besides its leader (the
+    ``Threads:`` line of ``/proc/PID/status`` counts every thread not yet released, the
+    leader included, zombie or not). False when the file cannot be read (the process was
+    reaped)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Threads:"):
+                    return int(line.split()[1]) > 1
+    except (OSError, ValueError, IndexError):
+        return False
+    return False
+
+
 def process_start_time(pid: int) -> int:
     """Start time of ``pid`` in clock ticks since boot (field 22 of /proc/PID/stat); -1 if gone."""
     fields = _stat_fields(pid)
@@ -114,9 +129,11 @@ class ProcessIdentity:
         belongs to another process. None: cannot tell here (another boot or host, another
         pid namespace, ``/proc`` unreadable).
 
-        A process counts as gone from the moment the kernel flags it ``PF_EXITING``, before
-        its memory is torn down, and as a zombie: so a copy that failed because the peer's
-        memory vanished is always followed by ``is_alive() is False``.
+        A process counts as gone once its thread-group leader is a zombie or flagged
+        ``PF_EXITING`` (before its memory is torn down) *and* no other thread of it is left.
+        Why both: the stat file describes the leader only, and the leader can exit (``pthread_exit``,
+        or first of all threads under SIGKILL) while another thread is still inside a copy
+        into our memory; "gone" must mean no byte of that process can land any more.
         """
         if not self.checkable_here():
             return None
@@ -132,7 +149,11 @@ class ProcessIdentity:
             return None
         if start != self.start_time:
             return False  # the pid was recycled (or the identity was never true)
-        return state not in _GONE_STATES and not flags & _PF_EXITING
+        if state in _GONE_STATES or flags & _PF_EXITING:
+            # the leader has exited or is exiting; the process is gone once its other
+            # threads are (read only on this rare path: one more file read)
+            return _other_threads_run(self.pid)
+        return True
 
 
 class ProcessWatch:

@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,42 @@ def test_watch_that_cannot_open_the_file_or_was_closed_falls_back_to_the_identit
     w.close()
     assert len(before - _open_fds()) == 1  # exactly the stat file was closed
     assert w.is_alive() is True  # answered by reading /proc as before
+
+
+_LEADER_EXITS_FIRST = """
+import ctypes, os, sys, threading
+def last_thread():
+    sys.stdin.read()  # runs until the test closes our stdin
+    os._exit(0)
+threading.Thread(target=last_thread).start()
+print('up', flush=True)
+ctypes.CDLL(None).pthread_exit(None)  # the thread-group leader exits; the process goes on
+"""
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rsplit(b")", 1)[1].split()[0].decode()
+
+
+def test_process_whose_leader_exited_is_alive_while_another_thread_runs() -> None:
+    """The stat file describes the thread-group leader only. A leader that exited first (a
+    zombie) while another thread still runs -- and might be inside a copy into our memory --
+    is not a process that is gone: is_alive() stays True until the last thread has exited."""
+    child = subprocess.Popen([sys.executable, "-c", _LEADER_EXITS_FIRST], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "up\n"
+        ident = ProcessIdentity(child.pid, process_start_time(child.pid), boot_id())
+        watch = ProcessWatch(ident)
+        end = time.monotonic() + 30  # until the leader's pthread_exit has made it a zombie
+        while _state(child.pid) != "Z" and time.monotonic() < end:
+            os.sched_yield()
+        assert _state(child.pid) == "Z"
+        assert ident.is_alive() is True and watch.is_alive() is True
+    finally:
+        child.stdin.close()
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # the last thread exited: not reaped
+    assert ident.is_alive() is False and watch.is_alive() is False
+    assert child.wait() == 0
+    child.stdout.close()

@@ -15,7 +15,7 @@ request has a load in the consumer's worker, and the second consumer step that b
 after the load's deadline has ended it (the first may still see the READ complete and
 ask for confirmation), unless the load is waiting for the producer's word
 that its write has ended (CANCEL, itself bounded by the worker's "producer known gone"
-bound) or holds a failed READ not yet quiesced (T3) — an ordering against the worker's
+bound: lease + timeout of silence) or holds a failed READ not yet quiesced (T3) — an ordering against the worker's
 own deadlines, no wall-clock margin; I3 (R1) nothing waiting for remote KV is scheduled
 before it was reported loaded;
 I4 (R3) finished_recving names a request at most once and only a tracked one; I5 every
@@ -223,7 +223,10 @@ class LifecycleMachine(RuleBasedStateMachine):
             if n < 2:
                 continue
             if r.state is RecvState.CANCEL:
-                known_gone = r.deadline + cfg.lease_s + cfg.transfer_timeout_s
+                # "known gone": every unacknowledged producer rank silent for lease + timeout,
+                # counted from its last answer or the deadline if later (a producer that
+                # answers may have a write in flight: the load waits for its word)
+                known_gone = r.silent_since + cfg.lease_s + cfg.transfer_timeout_s
                 assert step_started <= known_gone, f"I2: {rid} still cancelling past the known-gone bound"
             elif r.state is RecvState.READ:
                 if step_started <= r.transfer.deadline:

@@ -79,8 +79,9 @@ def test_every_request_type_has_its_own_handler(pairs):
         assert isinstance(reply, (Reply, Welcome)), (kind.__name__, reply)
     # what the hold's handlers say about a held key, in protocol order
     assert _ask(pair, Renew(keys=[key])).status == {key: "ok"}
-    assert _ask(pair, Done(keys=[key])).status == {key: "ok"}  # read-then-confirm: frees the hold
-    assert _ask(pair, Done(keys=[key])).status == {key: "ok"}  # idempotent after "done"
+    assert _ask(pair, Done(keys=[key], load="L1")).status == {key: "ok"}  # read-then-confirm: frees the hold
+    assert _ask(pair, Done(keys=[key], load="L1")).status == {key: "ok"}  # idempotent for that load
+    assert _ask(pair, Done(keys=[key], load="L2")).status == {key: "expired"}  # another load of the key
     assert _ask(pair, Renew(keys=[key])).status == {key: "expired"}
 
 

@@ -195,3 +195,36 @@ def test_late_pending_replies_keep_a_cancelling_load_from_considering_its_produc
     clock[0] = t + c.ctx.cfg.lease_s + c.ctx.cfg.transfer_timeout_s + 0.1
     c.advance(clock[0])
     assert "r" in c.done_recving
+
+
+# -- one key, two loads ----------------------------------------------------------------------
+def test_repeated_confirmation_is_ok_only_for_the_load_that_confirmed():
+    """READ: after the hold ended "done", a Done for the key is answered "ok" only when it
+    repeats the confirming load's own (its first answer was lost). Another load of the same
+    key -- a router retry or hedge forwarding the same kv_transfer_params -- read blocks we
+    no longer hold, which may carry another request's KV: "expired"."""
+    p, _ = _producer()
+    p.ctx.agent = SimpleNamespace(instance="P-1")
+    now = time.monotonic()
+    p.add([HoldJob(req_id="r", key="K", block_ids=[1, 2])], now)
+    assert p.answer_done("K", "P-1", now, load="load-A") == "ok"
+    assert "K" not in p.holds  # the blocks are vLLM's again
+    assert p.answer_done("K", "P-1", now, load="load-A") == "ok"
+    assert p.answer_done("K", "P-1", now, load="load-B") == "expired"
+    assert p.answer_done("K", "P-1", now) == "expired"  # a load that names none
+
+
+def test_second_concurrent_load_of_a_key_is_refused_and_the_first_goes_on(clock):
+    """Two requests given one prefill's params at once: replies and "written" name only the
+    key, so the later load is refused (its request computes the prefill itself) and the
+    first keeps the key's answers."""
+    c = _consumer({"P": True})
+    now = clock[0]
+    with c.ctx.lock:
+        c.add([RecvJob(req_id="r1", key="K", mode="write", local_block_ids=[5], remote_block_ids=[],
+                       host="h", port=100, remote_engine_id="P"),
+               RecvJob(req_id="r2", key="K", mode="write", local_block_ids=[6], remote_block_ids=[],
+                       host="h", port=100, remote_engine_id="P")], now)
+    assert "r2" in c.done_recving and "r2" in c.failed_recving
+    assert "already being loaded by request r1" in c.reporting["r2"].error
+    assert "r1" in c.recv and c.recv_by_key["K"] == "r1"

@@ -77,6 +77,16 @@ class Consumer:
                 r.fail(Cause.PARAMS_REFUSED, job.refused)
                 self._finish(r, ok=False)
                 continue
+            other = self.recv_by_key.get(job.key)
+            if other is not None and other in self.recv:
+                # one prefill's kv_transfer_params given to two requests at once: replies and
+                # "written" name only the key, so they could not be told apart; the later
+                # request computes its prefill itself (nothing is released: the first loads on)
+                r.fail(Cause.PARAMS_REFUSED,
+                       f"key {job.key!r} is already being loaded by request {other}: the same "
+                       "kv_transfer_params were forwarded to two requests at once")
+                self._finish(r, ok=False)
+                continue
             self.recv_by_key[job.key] = job.req_id
             try:
                 pieces, ranks = plan_ranks(self.ctx, job.remote_tp)
@@ -372,7 +382,8 @@ class Consumer:
                 r.cause = Cause.TRANSPORT
             self.reporting[r.job.req_id] = r
             self.recv.pop(r.job.req_id, None)
-            self.recv_by_key.pop(r.job.key, None)
+            if self.recv_by_key.get(r.job.key) == r.job.req_id:  # not another load's key
+                self.recv_by_key.pop(r.job.key, None)
             self.done_recving.add(r.job.req_id)
             stats = self.ctx.stats
             latency = time.monotonic() - r.started

@@ -102,7 +102,7 @@ class SideChannelHandlers:
     def on_done(self, msg: Done, now: float) -> Reply:
         """READ mode: the consumer read these keys; "ok" frees them, inside the lease only."""
         with self.ctx.lock:
-            return Reply(status={k: self.producer.answer_done(k, msg.instance, now, msg.rank, msg.readers)
+            return Reply(status={k: self.producer.answer_done(k, msg.instance, now, msg.rank, msg.readers, msg.load)
                                  for k in msg.keys})
 
     def on_renew(self, msg: Renew, now: float) -> Reply:

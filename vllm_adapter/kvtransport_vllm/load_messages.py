@@ -54,7 +54,8 @@ class LoadMessages:
         for pc in r.pieces:
             if pc.answer != "ok":
                 pc.sent(self.peers.get(r.job.host, pc.port).client.send(
-                    Done(keys=[r.job.key], instance=pc.instance, rank=self.ctx.tp_rank, readers=pc.readers)))
+                    Done(keys=[r.job.key], instance=pc.instance, rank=self.ctx.tp_rank, readers=pc.readers,
+                         load=r.token)))
         r.last_sent = now
 
     def write_req(self, r: Recv, now: float) -> None:

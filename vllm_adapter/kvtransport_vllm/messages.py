@@ -115,6 +115,11 @@ class Done(Msg, tag="done"):
     #: the blocks once all of them confirmed or released (rank -1: the one reader)
     rank: int = -1
     readers: int = 1
+    #: the load this confirmation is for (random per load). After the key ended, a repeated
+    #: Done is answered "ok" only for a load that confirmed it while the blocks were held
+    #: (its first answer was lost), never for another load of the same key (a router
+    #: retry or hedge), which read blocks that may already hold another request's KV
+    load: str = ""
 
 
 class Renew(Msg, tag="renew"):

@@ -99,6 +99,8 @@ class Hold:
     finished: dict[int, str] = field(default_factory=dict)
     #: WRITE: further consumer ranks' destinations, written one after another
     queue: list[Dest] = field(default_factory=list)
+    #: READ: the loads (``Done.load``) we answered "ok" while holding the blocks
+    confirmed_by: set[str] = field(default_factory=set)
     group_sizes: list[int] = field(default_factory=list)  # hybrid: ids per KV cache group
 
     def finish_reader(self, rank: int, how: str, readers: int) -> bool:
@@ -121,6 +123,8 @@ class Producer:
         self.ctx = ctx
         self.holds: dict[str, Hold] = {}  # key -> hold
         self.ended: OrderedDict[str, str] = OrderedDict()  # key -> why (done|expired|released|aborted)
+        #: READ: for keys ended "done", the loads that confirmed them (bounded with ``ended``)
+        self.confirmed: OrderedDict[str, frozenset[str]] = OrderedDict()
         #: WriteReq that came before the hold (messages race the scheduler's metadata)
         self.early_dest: dict[str, tuple[list[Dest], float]] = {}  # one per consumer rank
         self.consumer_md: dict[str, bytes] = {}  # consumer engine name -> agent metadata
@@ -174,6 +178,10 @@ class Producer:
         self.ended[h.key] = why
         while len(self.ended) > _RECENT:
             self.ended.popitem(last=False)
+        if why == "done":
+            self.confirmed[h.key] = frozenset(h.confirmed_by)
+            while len(self.confirmed) > _RECENT:
+                self.confirmed.popitem(last=False)
         self.done_sending.add(h.req_id)
         if why == "expired":
             self.ctx.stats["leases_expired"] += 1
@@ -328,7 +336,8 @@ class Producer:
         self.consumer_peers.pop(msg.engine_id, None)  # restarted consumer: reconnect
         self.consumer_layouts[msg.engine_id] = msg.layout
 
-    def _unknown(self, key: str, give_up: bool, done: bool, rank: int = -1, readers: int = 1) -> str:
+    def _unknown(self, key: str, give_up: bool, done: bool, rank: int = -1, readers: int = 1,
+                 load: str = "") -> str:
         """Status for a key we hold nothing for."""
         why = self.ended.get(key)
         if why is None and give_up and readers > 1:
@@ -355,24 +364,30 @@ class Producer:
             return "acked"
         if why == "aborted":
             return "aborted"  # the consumer learns why, whichever message reaches it first
-        return "ok" if (why == "done" and done) else "expired"
+        if why == "done" and done and load and load in self.confirmed.get(key, ()):
+            return "ok"  # a repeat of a confirmation we answered "ok" (that answer was lost)
+        return "expired"  # any other load of this key read blocks we no longer hold
 
     def _lapsed(self, h: Hold, now: float) -> bool:
         """End a hold whose lease ran out (never one with a write in flight or ended)."""
         return now >= h.expiry and h.state is HoldState.HELD and self.end_hold(h, "expired")
 
-    def answer_done(self, key: str, instance: str, now: float, rank: int = -1, readers: int = 1) -> str:
+    def answer_done(self, key: str, instance: str, now: float, rank: int = -1, readers: int = 1,
+                    load: str = "") -> str:
         """READ: consumer ``rank`` read ``key`` from us; "ok" if our lease held. With several
-        readers the blocks are freed once every one confirmed or released."""
+        readers the blocks are freed once every one confirmed or released. ``load`` names the
+        consumer's load (``Done.load``), so only that load's repeat is "ok" after the key ended."""
         h = self.holds.get(key)
         if h is None:
-            return self._unknown(key, give_up=False, done=True)
+            return self._unknown(key, give_up=False, done=True, load=load)
         if self._lapsed(h, now):
             return "expired"
         if instance and instance != self.ctx.agent.instance:
             return "stale"  # read from our previous incarnation's memory
         if h.write_in_flight:
             return "pending"  # a write of ours is in flight for this key
+        if load:
+            h.confirmed_by.add(load)
         if h.finish_reader(rank, "done", readers):
             self.end_hold(h, "done")
         else:

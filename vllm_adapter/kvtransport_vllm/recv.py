@@ -11,6 +11,7 @@ fails as a whole when any piece fails (docs/LIFECYCLE.md, per-piece rules).
 from __future__ import annotations
 
 import enum
+import secrets
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,6 +72,8 @@ class Recv:
     deadline: float
     started: float
     state: RecvState = RecvState.CONNECT
+    #: names this load in its confirmations (``Done.load``)
+    token: str = field(default_factory=lambda: secrets.token_hex(8))
     pieces: list[PieceLoad] = field(default_factory=list)
     #: producer ranks nobody reads (replicas read elsewhere) we tell to free at once:
     #: port -> readers (1); sent once, at the first CONNECT step
