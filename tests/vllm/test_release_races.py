@@ -77,6 +77,17 @@ def _write_load(c: Consumer, now: float) -> None:
                        host="h", port=100, remote_engine_id="P")], now)
 
 
+def _started_write_load(alive: dict[str, bool], hand_shaken_with: str, now: float) -> tuple[Consumer, object]:
+    """A consumer whose hand-shake with the producer at h:100 names ``hand_shaken_with``, after
+    one step of a new WRITE load ``r`` of key K."""
+    c = _consumer(alive)
+    c.producers.peers[("h", 100)] = PeerConn("h", 100, _Client(), state="ready", kvt_peer=hand_shaken_with,
+                                             engine_name="P-tp0")
+    _write_load(c, now)
+    c.advance(now)
+    return c, c.recv["r"]
+
+
 def _producer() -> tuple[Producer, list]:
     cfg = SimpleNamespace(lease_s=30.0, transfer_timeout_s=5.0)
     ctx = SimpleNamespace(cfg=cfg, lock=threading.RLock(), stats=new_stats(), agent=None, tp_rank=0,
@@ -128,13 +139,7 @@ def test_hand_shake_with_an_exited_producer_is_renewed_before_the_write_request(
     under the same engine id. A new load must hand-shake again instead of sending its write
     request on P1's hand-shake: P1's exit would later read as "no write can land", while P2,
     which received the request, may be writing."""
-    c = _consumer({"P1": False, "P2": True})
-    c.producers.peers[("h", 100)] = PeerConn("h", 100, _Client(), state="ready", kvt_peer="P1",
-                                             engine_name="P-tp0")
-    now = clock[0]
-    _write_load(c, now)
-    c.advance(now)
-    r = c.recv["r"]
+    c, r = _started_write_load({"P1": False, "P2": True}, "P1", clock[0])
     assert r.state is RecvState.CONNECT, r.state
     assert c.producers.peers[("h", 100)].state != "ready"
     assert r.pieces[0].writers == []
@@ -146,13 +151,8 @@ def test_producer_that_answers_hello_is_a_writer_its_predecessors_exit_does_not_
     request is aborted, P1's exit must not end the load: only P2's ack (or its silence for
     lease + timeout) may."""
     alive = {"P1": True, "P2": True}
-    c = _consumer(alive)
-    c.producers.peers[("h", 100)] = PeerConn("h", 100, _Client(), state="ready", kvt_peer="P1",
-                                             engine_name="P-tp0")
     now = clock[0]
-    _write_load(c, now)
-    c.advance(now)
-    r = c.recv["r"]
+    c, r = _started_write_load(alive, "P1", now)
     assert r.state is RecvState.WRITE_WAIT and r.pieces[0].writers == ["P1"]
     alive["P1"] = False
     c.on_reply(Reply(cid=r.pieces[0].cid, status={"K": "hello"}))
@@ -173,13 +173,8 @@ def test_late_pending_replies_keep_a_cancelling_load_from_considering_its_produc
     after the Cancel it answers while the consumer resends every 50 ms: every answer names a
     superseded cid. They still show the producer is reachable, so the load must not hand its
     blocks back after lease + timeout (3 s here)."""
-    c = _consumer({"P": True})
-    c.producers.peers[("h", 100)] = PeerConn("h", 100, _Client(), state="ready", kvt_peer="P",
-                                             engine_name="P-tp0")
     t0 = clock[0]
-    _write_load(c, t0)
-    c.advance(t0)
-    r = c.recv["r"]
+    c, r = _started_write_load({"P": True}, "P", t0)
     c.mark_aborted({"r"})
     c.advance(t0 + 0.01)
     assert r.state is RecvState.CANCEL
