@@ -129,11 +129,11 @@ class ProcessIdentity:
         belongs to another process. None: cannot tell here (another boot or host, another
         pid namespace, ``/proc`` unreadable).
 
-        A process counts as gone once its thread-group leader is a zombie or flagged
-        ``PF_EXITING`` (before its memory is torn down) *and* no other thread of it is left.
-        Why both: the stat file describes the leader only, and the leader can exit (``pthread_exit``,
-        or first of all threads under SIGKILL) while another thread is still inside a copy
-        into our memory; "gone" must mean no byte of that process can land any more.
+        A process counts as gone from the moment the kernel flags its thread-group leader
+        ``PF_EXITING``, before its memory is torn down, and as a zombie: so a copy that failed
+        because the peer's memory vanished is always followed by ``is_alive() is False``.
+        That is the data path's question ("may my copy have met a dying peer?"). Whether the
+        peer can still write into *our* memory is :meth:`has_exited`'s.
         """
         if not self.checkable_here():
             return None
@@ -149,11 +149,30 @@ class ProcessIdentity:
             return None
         if start != self.start_time:
             return False  # the pid was recycled (or the identity was never true)
-        if state in _GONE_STATES or flags & _PF_EXITING:
-            # the leader has exited or is exiting; the process is gone once its other
-            # threads are (read only on this rare path: one more file read)
-            return _other_threads_run(self.pid)
-        return True
+        return state not in _GONE_STATES and not flags & _PF_EXITING
+
+    def has_exited(self) -> bool | None:
+        """True: no thread of that process runs any more, so nothing it started can touch
+        our memory (reaped, pid recycled, or its leader exited with no other thread left).
+        False: some thread of it may still run. None: cannot tell here.
+
+        Why not ``not is_alive()``: the stat file describes the thread-group leader only, and
+        the leader can exit first (``pthread_exit``, or first of the threads under SIGKILL)
+        while another thread is still inside ``process_vm_writev`` into our memory.
+        """
+        if not self.checkable_here():
+            return None
+        return self._judge_exit(_stat_fields(self.pid))
+
+    def _judge_exit(self, fields: list[str] | None) -> bool | None:
+        """:meth:`has_exited` from the fields of one read of our pid's stat file."""
+        alive = self._judge(fields)
+        if alive is None or alive:
+            return None if alive is None else False
+        if fields is None or int(fields[19]) != self.start_time:
+            return True  # reaped, or the pid now names another process
+        # the leader is a zombie or exiting: exited once its other threads are gone too
+        return not _other_threads_run(self.pid)
 
 
 class ProcessWatch:
@@ -190,6 +209,17 @@ class ProcessWatch:
         except OSError:  # ESRCH: the process we opened it for was reaped
             return False
         return self.ident._judge(_parse_stat(data))
+
+    def has_exited(self) -> bool | None:
+        """:meth:`ProcessIdentity.has_exited`, the stat part answered from the open file."""
+        fd = self._fd
+        if fd < 0:
+            return self.ident.has_exited()
+        try:
+            data = os.pread(fd, 4096, 0)
+        except OSError:  # ESRCH: the process we opened it for was reaped
+            return True
+        return self.ident._judge_exit(_parse_stat(data))
 
     def close(self) -> None:
         """Close the file (later calls fall back to reading ``/proc`` each time). Not while

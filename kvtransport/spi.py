@@ -269,7 +269,9 @@ class Backend(abc.ABC):
     def peer_alive(self, peer: Any) -> bool | None:
         """Is the peer's process alive (True), known gone so that nothing it posted can
         land any more (False), or unknown (None, the default)? Lets owners of memory a
-        dead peer was writing into reuse it without waiting for a lease to lapse."""
+        dead peer was writing into reuse it without waiting for a lease to lapse. "Gone"
+        means every thread of it: a process whose main thread exited first may still have
+        a thread inside a copy (``ProcessIdentity.has_exited``)."""
         return None
 
     # -- data path ------------------------------------------------------------

@@ -231,8 +231,12 @@ class LoopbackBackend(Backend):
         self._retire(peer)
 
     def peer_alive(self, peer: _Peer) -> bool | None:
-        # pid + start time: a recycled pid is not the peer.
-        return peer.alive()
+        # pid + start time: a recycled pid is not the peer. Gone = every thread of it gone
+        # (a thread of a peer whose main thread exited may still be copying into us).
+        if peer.watch is None:
+            return True
+        exited = peer.watch.has_exited()
+        return peer.alive() if exited is None else not exited
 
     def _retire(self, peer: _Peer) -> None:
         peer.gone = True

@@ -162,7 +162,9 @@ class MooncakeBackend(Backend):
             del self._by_name[peer.name]
 
     def peer_alive(self, peer: Conn) -> bool | None:
-        return peer.alive()
+        # gone = every thread of it gone (ProcessIdentity.has_exited), not only its main one
+        exited = peer.ident.has_exited() if peer.watch else None
+        return None if exited is None else not exited
 
     # -- data path ------------------------------------------------------------------------
     def post(self, req: PostRequest) -> Job:

@@ -245,9 +245,12 @@ class NixlBackend(Backend):
         self._parting = keep
 
     def peer_alive(self, peer: Conn) -> bool | None:
-        if peer.dead:
-            return False
-        return peer.ident.is_alive() if peer.watch else None
+        # gone = every thread of it gone (ProcessIdentity.has_exited), not only its main one
+        # (``dead`` is set when the main thread exits: the data path's question)
+        exited = peer.ident.has_exited() if peer.watch else None
+        if exited is not None:
+            return not exited
+        return False if peer.dead else None
 
     def _check_peer(self, conn: Conn) -> None:
         """Same-host peers: a process that exited fails its transfers now, not at the deadline."""

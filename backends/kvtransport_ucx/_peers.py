@@ -264,7 +264,13 @@ class Peers:
 
     # -- peer failure -----------------------------------------------------------------------------
     def peer_alive(self, conn: Conn) -> bool | None:
-        """Same host: pid + start time; across hosts only UCX's own failure report."""
+        """Same host: pid + start time, gone once every thread of it is (``has_exited``:
+        ``dead`` is set when its main thread exits, while another thread may still copy
+        into us over cma); across hosts only UCX's own failure report."""
+        if conn.same_host and conn.ident.pid != os.getpid():
+            exited = conn.watch.has_exited()
+            if exited is not None:
+                return not exited
         if conn.dead or conn.process_gone():
             return False
         return True if conn.same_host else None

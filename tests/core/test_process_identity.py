@@ -176,24 +176,31 @@ def _state(pid: int) -> str:
         return f.read().rsplit(b")", 1)[1].split()[0].decode()
 
 
-def test_process_whose_leader_exited_is_alive_while_another_thread_runs() -> None:
+def test_process_whose_leader_exited_has_not_exited_while_another_thread_runs() -> None:
     """The stat file describes the thread-group leader only. A leader that exited first (a
     zombie) while another thread still runs -- and might be inside a copy into our memory --
-    is not a process that is gone: is_alive() stays True until the last thread has exited."""
+    is "not alive" for the data path (a copy may have met a dying peer) but has not exited:
+    has_exited() turns True only once its last thread is gone."""
     child = subprocess.Popen([sys.executable, "-c", _LEADER_EXITS_FIRST], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline() == "up\n"
         ident = ProcessIdentity(child.pid, process_start_time(child.pid), boot_id())
         watch = ProcessWatch(ident)
+        assert ident.has_exited() is False and watch.has_exited() is False
         end = time.monotonic() + 30  # until the leader's pthread_exit has made it a zombie
         while _state(child.pid) != "Z" and time.monotonic() < end:
             os.sched_yield()
         assert _state(child.pid) == "Z"
-        assert ident.is_alive() is True and watch.is_alive() is True
+        assert ident.is_alive() is False and watch.is_alive() is False
+        assert ident.has_exited() is False and watch.has_exited() is False
     finally:
         child.stdin.close()
     os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # the last thread exited: not reaped
-    assert ident.is_alive() is False and watch.is_alive() is False
+    assert ident.has_exited() is True and watch.has_exited() is True
     assert child.wait() == 0
     child.stdout.close()
+    assert ident.has_exited() is True and watch.has_exited() is True  # reaped
+    forged = ProcessIdentity(os.getpid(), ProcessIdentity.current().start_time + 1, boot_id())
+    assert forged.has_exited() is True  # that process is not this one
+    assert ProcessIdentity.current().has_exited() is False

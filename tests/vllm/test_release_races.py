@@ -22,7 +22,7 @@ import pytest
 import kvtransport_vllm.consumer as consumer_module
 from kvtransport_vllm.consumer import Consumer, RecvState
 from kvtransport_vllm.load_stats import new_stats
-from kvtransport_vllm.messages import HoldJob, RecvJob, Reply, WriteReq
+from kvtransport_vllm.messages import HoldJob, RecvJob, Reply, WriteReq, Written
 from kvtransport_vllm.producer import Producer
 from kvtransport_vllm.producer_peers import PeerConn
 
@@ -223,3 +223,27 @@ def test_second_concurrent_load_of_a_key_is_refused_and_the_first_goes_on(clock)
     assert "r2" in c.done_recving and "r2" in c.failed_recving
     assert "already being loaded by request r1" in c.reporting["r2"].error
     assert "r1" in c.recv and c.recv_by_key["K"] == "r1"
+
+
+def test_late_written_for_an_earlier_load_of_the_key_is_not_taken_as_the_next_ones(clock):
+    """WRITE: load A of key K gives up and ends (the producer acked its cancel); load B of K
+    follows (a retry with the same params). A "written" for A's blocks that arrives late must
+    not report B loaded: B's blocks were never written."""
+    now = clock[0]
+    c, a = _started_write_load({"P": True}, "P", now)
+    c.mark_aborted({"r"})
+    c.advance(now + 0.01)
+    c.on_reply(Reply(cid=a.pieces[0].cid, status={"K": "acked"}))
+    assert "r" in c.done_recving
+    with c.ctx.lock:
+        c.add([RecvJob(req_id="r2", key="K", mode="write", local_block_ids=[7], remote_block_ids=[],
+                       host="h", port=100, remote_engine_id="P")], now + 0.02)
+    c.advance(now + 0.02)
+    b = c.recv["r2"]
+    assert b.state is RecvState.WRITE_WAIT and b.token != a.token
+    assert c.answer_written(Written(key="K", ok=True, load=a.token)) == "unknown"
+    c.advance(now + 0.03)
+    assert "r2" not in c.done_recving and b.written is None
+    assert c.answer_written(Written(key="K", ok=True, load=b.token)) == "ok"
+    c.advance(now + 0.04)
+    assert "r2" in c.done_recving and "r2" not in c.failed_recving

@@ -444,6 +444,8 @@ class Consumer:
         pc = next((x for x in r.pieces if x.piece.producer_rank == msg.rank), None) if r is not None else None
         if r is None or pc is None or r.state not in (RecvState.WRITE_WAIT, RecvState.CANCEL):
             return "unknown"  # late / duplicate: dropped (R3)
+        if msg.load and msg.load != r.token:
+            return "unknown"  # the end of a write into an earlier load's blocks of this key
         pc.written = msg.ok
         self.written_event.set()
         if msg.ok and r.clock is not None and r.written is True:

@@ -80,7 +80,8 @@ class LoadMessages:
                 engine_id=self.ctx.name,
                 reply_host=self.ctx.cfg.side_channel_host, reply_port=self.ctx.port, rank=self.ctx.tp_rank,
                 readers=pc.readers, src_head=0 if whole else piece.remote_head,
-                dst_head=0 if whole else piece.local_head, num_heads=0 if whole else piece.num_heads)))
+                dst_head=0 if whole else piece.local_head, num_heads=0 if whole else piece.num_heads,
+                load=r.token)))
         r.last_sent = now
 
     def cancel(self, r: Recv, now: float) -> None:

@@ -151,6 +151,8 @@ class WriteReq(Msg, tag="write_req"):
     num_heads: int = 0
     #: hybrid models: ids per KV cache group in ``block_ids`` ([]: one group)
     group_sizes: list[int] = []
+    #: the consumer's load asking (random per load), echoed in ``Written.load``
+    load: str = ""
 
 
 class Cancel(Msg, tag="cancel"):
@@ -168,6 +170,9 @@ class Written(Msg, tag="written"):
     ok: bool
     reason: str = ""
     rank: int = 0  # the producer's TP rank (a consumer rank may get pieces from several)
+    #: the load whose blocks were written (``WriteReq.load``): a late ``Written`` for an
+    #: earlier load of the same key is not taken as this load's
+    load: str = ""
 
 
 class Aborted(Msg, tag="aborted"):

@@ -66,6 +66,7 @@ class Dest:
     num_heads: int = 0
     readers: int = 1  # consumer ranks the hold serves (several when their TP is larger)
     group_sizes: list[int] = field(default_factory=list)  # hybrid: ids per KV cache group
+    load: str = ""  # the consumer's load these blocks belong to (WriteReq.load)
 
 
 class HoldState(enum.Enum):
@@ -213,7 +214,8 @@ class Producer:
             if now - h.last_sent > 0.05:
                 assert h.dest is not None
                 h.notify_cid = self.ctx.client_to(h.dest.host, h.dest.port).send(
-                    Written(key=h.key, ok=h.write_ok, reason=h.write_reason, rank=self.ctx.tp_rank))
+                    Written(key=h.key, ok=h.write_ok, reason=h.write_reason, rank=self.ctx.tp_rank,
+                            load=h.dest.load))
                 h.notify_cids.add(h.notify_cid)
                 h.last_sent = now
             with self.ctx.lock:
@@ -429,7 +431,7 @@ class Producer:
 
     def answer_write_req(self, msg: WriteReq, now: float) -> str:
         dest = Dest(msg.engine_id, list(msg.block_ids), msg.reply_host, msg.reply_port, msg.rank, msg.src_head,
-                    msg.dst_head, msg.num_heads, msg.readers, list(msg.group_sizes))
+                    msg.dst_head, msg.num_heads, msg.readers, list(msg.group_sizes), msg.load)
         lease = now + self.ctx.cfg.lease_s
         h = self.holds.get(msg.key)
         if h is not None:
