@@ -199,27 +199,24 @@ class ProcessWatch:
                 pass  # answered by ProcessIdentity.is_alive each time
         self._closer = weakref.finalize(self, os.close, self._fd) if self._fd >= 0 else None
 
+    @staticmethod
+    def _fields(fd: int) -> list[str] | None:
+        """The stat fields re-read from the open file; None once the process we opened it
+        for was reaped (ESRCH), which both judges read as gone."""
+        try:
+            return _parse_stat(os.pread(fd, 4096, 0))
+        except OSError:
+            return None
+
     def is_alive(self) -> bool | None:
         """:meth:`ProcessIdentity.is_alive`, answered from the open file."""
         fd = self._fd
-        if fd < 0:
-            return self.ident.is_alive()
-        try:
-            data = os.pread(fd, 4096, 0)
-        except OSError:  # ESRCH: the process we opened it for was reaped
-            return False
-        return self.ident._judge(_parse_stat(data))
+        return self.ident.is_alive() if fd < 0 else self.ident._judge(self._fields(fd))
 
     def has_exited(self) -> bool | None:
         """:meth:`ProcessIdentity.has_exited`, the stat part answered from the open file."""
         fd = self._fd
-        if fd < 0:
-            return self.ident.has_exited()
-        try:
-            data = os.pread(fd, 4096, 0)
-        except OSError:  # ESRCH: the process we opened it for was reaped
-            return True
-        return self.ident._judge_exit(_parse_stat(data))
+        return self.ident.has_exited() if fd < 0 else self.ident._judge_exit(self._fields(fd))
 
     def close(self) -> None:
         """Close the file (later calls fall back to reading ``/proc`` each time). Not while

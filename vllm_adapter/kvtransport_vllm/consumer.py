@@ -130,14 +130,10 @@ class Consumer:
                     continue
                 pc = r.piece_by_cid(msg.cid)
                 if pc is None:
-                    # late or duplicate reply: its verdict is dropped (R3), but the producer
-                    # rank answered, so it is reachable (see PieceLoad.recent_cids)
-                    late = r.piece_by_recent_cid(msg.cid)
-                    if late is not None:
-                        late.heard = time.monotonic()
-                    continue
-                pc.heard = time.monotonic()
-                self._on_status(r, pc, status)
+                    continue  # not about any recent message of this load: dropped (R3)
+                pc.heard = time.monotonic()  # it answered, so it is reachable
+                if msg.cid == pc.cid:  # a late reply's verdict is dropped (R3)
+                    self._on_status(r, pc, status)
 
     def _on_status(self, r: Recv, pc: PieceLoad, status: str) -> None:
         if r.state is RecvState.CONFIRM:

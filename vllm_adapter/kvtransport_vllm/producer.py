@@ -117,6 +117,14 @@ class Hold:
         return self.state in (HoldState.POSTING, HoldState.POSTED)
 
 
+def _remember(recent: OrderedDict, key: str, value: Any) -> None:
+    """Set ``recent[key]`` as its newest entry, forgetting the oldest beyond _RECENT."""
+    recent[key] = value
+    recent.move_to_end(key)
+    while len(recent) > _RECENT:
+        recent.popitem(last=False)
+
+
 class Producer:
     """The holds of one worker and the side-channel answers about them."""
 
@@ -176,13 +184,9 @@ class Producer:
         if h.write_in_flight:
             return False
         self.holds.pop(h.key, None)
-        self.ended[h.key] = why
-        while len(self.ended) > _RECENT:
-            self.ended.popitem(last=False)
+        _remember(self.ended, h.key, why)
         if why == "done":
-            self.confirmed[h.key] = frozenset(h.confirmed_by)
-            while len(self.confirmed) > _RECENT:
-                self.confirmed.popitem(last=False)
+            _remember(self.confirmed, h.key, frozenset(h.confirmed_by))
         self.done_sending.add(h.req_id)
         if why == "expired":
             self.ctx.stats["leases_expired"] += 1
@@ -346,10 +350,7 @@ class Producer:
             # one of several readers: remember it; the hold waits for the others on arrival
             _, seen = self.early_finished.get(key, (readers, {}))
             seen.setdefault(rank, "released")
-            self.early_finished[key] = (readers, seen)
-            self.early_finished.move_to_end(key)
-            while len(self.early_finished) > _RECENT:
-                self.early_finished.popitem(last=False)
+            _remember(self.early_finished, key, (readers, seen))
             # its write request, if one came first, must not be written on the hold's arrival
             early = self.early_dest.get(key)
             if early is not None:

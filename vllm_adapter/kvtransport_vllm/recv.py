@@ -45,7 +45,6 @@ class PieceLoad:
     readers: int  # consumer ranks the producer rank waits for before freeing the blocks
     transfer: Any = None  # READ
     instance: str = ""  # READ: producer agent instance the bytes were read from
-    cid: int = 0  # the last confirmation / write request / cancel sent for this piece
     answer: str = ""  # the producer rank's last verdict ("ok", "acked", ...)
     written: bool | None = None  # WRITE: this producer rank's "written" verdict
     #: when this producer rank last answered about the key (monotonic; 0: never): a rank
@@ -60,9 +59,13 @@ class PieceLoad:
     #: otherwise never count as heard, and be "considered gone" with its write in flight
     recent_cids: deque = field(default_factory=lambda: deque(maxlen=256))
 
+    @property
+    def cid(self) -> int:
+        """The last confirmation / write request / cancel sent for this piece (0: none)."""
+        return self.recent_cids[-1] if self.recent_cids else 0
+
     def sent(self, cid: int) -> None:
         """Record the cid of a message just sent about this piece."""
-        self.cid = cid
         self.recent_cids.append(cid)
 
 
@@ -95,10 +98,7 @@ class Recv:
         self.cause, self.error = cause, error
 
     def piece_by_cid(self, cid: int) -> PieceLoad | None:
-        return next((pc for pc in self.pieces if pc.cid == cid), None)
-
-    def piece_by_recent_cid(self, cid: int) -> PieceLoad | None:
-        """The piece one of whose recent messages had this cid (a late reply)."""
+        """The piece one of whose recent messages had this cid (its latest, or a late one)."""
         return next((pc for pc in self.pieces if cid in pc.recent_cids), None)
 
     @property
