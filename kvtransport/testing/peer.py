@@ -17,12 +17,45 @@ import numpy as np
 
 import kvtransport as kvt
 
-__all__ = ["pattern", "PeerSide", "InProcessPeer", "ChildProcessPeer"]
+__all__ = ["pattern", "stop_process", "PeerSide", "InProcessPeer", "ChildProcessPeer"]
 
 
 def pattern(seed: int, size: int) -> np.ndarray:
     """Deterministic pseudo-random bytes: both sides can recompute what should arrive."""
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def _thread_states(pid: int) -> list[str]:
+    """The state letter of every thread of ``pid`` (``/proc/PID/task/*/stat``)."""
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+    return states
+
+
+def stop_process(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return only once every one of its threads is stopped.
+
+    ``kill`` returns as soon as the signal is queued: the thread that takes a SIGSTOP stops
+    the others only when it next runs, and until then they go on (measured on a 2-core VM: a
+    child's busy thread kept running after ``kill`` returned in 8-18 of 20 tries, for up to
+    8 ms). A test that posts to a "stopped" peer right after ``kill`` can have its request
+    served by the peer's progress thread, and a READ it expects to hang completes.
+
+    Raises ``TimeoutError`` if some thread is not stopped after ``timeout_s``."""
+    os.kill(pid, signal.SIGSTOP)
+    limit = time.monotonic() + timeout_s
+    while True:
+        states = _thread_states(pid)
+        if all(st in "Tt" for st in states):
+            return
+        if time.monotonic() > limit:
+            raise TimeoutError(f"process {pid} not stopped {timeout_s}s after SIGSTOP: thread states {states}")
+        time.sleep(0.001)  # polling the threads' state, not waiting for a guess
 
 
 class _Serving:

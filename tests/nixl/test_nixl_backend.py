@@ -19,7 +19,7 @@ import pytest
 import kvtransport as kvt
 from kvtransport import errors
 from kvtransport import metadata as md_mod
-from kvtransport.testing.peer import ChildProcessPeer, pattern
+from kvtransport.testing.peer import ChildProcessPeer, pattern, stop_process
 from kvtransport.testing.required import skip_unless_usable
 from kvtransport_nixl import _xfer as nixl_xfer
 
@@ -202,7 +202,7 @@ def test_deadline_on_a_stopped_peer_keeps_memory_aside_until_nixl_ends_the_reque
         peer = local.connect(far.metadata())
         assert local.read(peer, region.segments([0], [BLOCK]), peer.region(far.region_id).segments([0], [BLOCK])
                           ).wait(60).ok
-        os.kill(far.pid, signal.SIGSTOP)
+        stop_process(far.pid)  # every thread stopped: nothing of it serves the READ below
         try:
             t = local.read(peer, region.whole(), peer.region(far.region_id).whole(), timeout=0.5)
             st = t.wait(30)

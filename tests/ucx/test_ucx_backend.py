@@ -12,6 +12,7 @@ import pytest
 
 import kvtransport as kvt
 from kvtransport.errors import BackendOptionError, PeerMetadataError
+from kvtransport.testing.peer import stop_process
 from ucx_helpers import PeerProcess, expected_bytes, skip_unless_ucx_usable
 
 pytestmark = pytest.mark.timeout(120)
@@ -160,7 +161,7 @@ def test_stuck_peer_fails_at_deadline_then_quiesces_by_force_close():
         region = agent.register(buf)
         p = agent.connect(peer.metadata)
         assert agent.read(p, region.segments([0], [4096]), p.regions[0].segments([0], [4096]), timeout=10).wait().ok
-        os.kill(peer.proc.pid, signal.SIGSTOP)
+        stop_process(peer.proc.pid)  # every thread stopped: nothing of it serves the READ below
         try:
             t = agent.read(p, region.whole(), p.regions[0].whole(), timeout=1.0)
             st = t.wait()
