@@ -173,7 +173,6 @@ def test_sealed_structured_garbage(live, doc):
        kind=st.sampled_from(["done", "renew", "release", "cancel", "aborted", "write_req", "written", "hello"]),
        md=st.binary(max_size=256))
 def test_wellformed_hostile_contents_are_served_safely(live, keys, ids, kind, md):
-    lay = live["layout"]
     msg = {
         "done": lambda: Done(keys=keys, instance="f" * 16),
         "renew": lambda: Renew(keys=keys),
