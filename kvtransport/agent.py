@@ -179,6 +179,12 @@ def _check_timeout(value: Any) -> float:
     return t
 
 
+def _check_peer(peer: Any) -> None:
+    if not isinstance(peer, Peer):
+        raise UnknownPeerError(
+            f"expected a kvtransport Peer (what Agent.connect() returns), got {type(peer).__name__}")
+
+
 class Agent:
     """One endpoint of KV transfers. Create with :func:`kvtransport.open`."""
 
@@ -261,7 +267,14 @@ class Agent:
             self._check_open()
             rid = next(self._region_ids)
             region = MemoryRegion(rid, addr, length, mkind, device, owner)
-            blob = self._backend.register(LocalRegion(rid, addr, length, mkind, device))
+            try:
+                blob = self._backend.register(LocalRegion(rid, addr, length, mkind, device))
+            except KVTransportError:
+                raise
+            except Exception as exc:
+                raise KVTransportError(
+                    f"backend {self.backend_name!r} could not register {length} bytes of {mkind} "
+                    f"memory at {addr:#x}: {type(exc).__name__}: {exc}") from exc
             self._regions[rid] = (region, bytes(blob))
             self._rebuild_local_index()
             return region
@@ -284,8 +297,17 @@ class Agent:
     def deregister(self, region: MemoryRegion) -> None:
         with self._lock:
             self._check_open()
-            if region.id not in self._regions:
+            if not isinstance(region, MemoryRegion):
+                raise UnregisteredMemoryError(
+                    f"deregister() takes a MemoryRegion that register() returned, got {type(region).__name__}")
+            mine = self._regions.get(region.id)
+            if mine is None:
                 raise UnregisteredMemoryError(f"region {region.id} is not registered on {self.name!r}")
+            if (mine[0].addr, mine[0].length, mine[0].kind) != (region.addr, region.length, region.kind):
+                raise UnregisteredMemoryError(
+                    f"region {region.id} ({region.length} bytes at {region.addr:#x}) was not registered "
+                    f"by {self.name!r} (its region {region.id} is {mine[0].length} bytes at "
+                    f"{mine[0].addr:#x}); deregister it on the agent that registered it")
             for t in list(self._unquiesced.values()):  # a waiting-only caller never polls them
                 if (t.local_regions == region.id).any():
                     self._check_quiesced(t)
@@ -296,11 +318,18 @@ class Agent:
                     f"region {region.id} is in use by transfers {busy[:8]} (pending or not yet "
                     "quiesced); wait for them before deregistering"
                 )
+            # Out of the core first, whatever the backend says: no new transfer may use it.
             self._regions.pop(region.id)
             self._regions_gen += 1
-            self._backend.deregister(LocalRegion(region.id, region.addr, region.length, region.kind,
-                                                 region.device))
             self._rebuild_local_index()
+            try:
+                self._backend.deregister(LocalRegion(region.id, region.addr, region.length, region.kind,
+                                                     region.device))
+            except Exception as exc:
+                raise KVTransportError(
+                    f"backend {self.backend_name!r} failed to deregister region {region.id}: "
+                    f"{type(exc).__name__}: {exc}; the core no longer uses it, but the backend may "
+                    "still hold the memory: keep the buffer alive until the agent is closed") from exc
 
     def _rebuild_local_index(self) -> None:
         ids = np.array(sorted(self._regions), dtype=np.int64)
@@ -320,9 +349,19 @@ class Agent:
             return md_mod.encode_metadata(md_mod.AgentMetadata(
                 magic=md_mod.MAGIC, protocol=md_mod.PROTOCOL_VERSION, agent=self.name,
                 instance=self.instance, backend=self.backend_name,
-                backend_version=self._backend.version, blob=self._backend.export(),
+                backend_version=self._backend.version, blob=self._export(),
                 regions=regions, layout=self.config.layout,
             ))
+
+    def _export(self) -> bytes:
+        try:
+            return self._backend.export()
+        except KVTransportError:
+            raise
+        except Exception as exc:
+            raise KVTransportError(
+                f"backend {self.backend_name!r} could not describe itself for peers: "
+                f"{type(exc).__name__}: {exc}") from exc
 
     def connect(self, peer_metadata: bytes) -> Peer:
         """Connect to (or refresh) the peer described by ``peer_metadata``.
@@ -390,6 +429,7 @@ class Agent:
             )
 
     def disconnect(self, peer: Peer) -> None:
+        _check_peer(peer)
         with self._lock:
             self._check_open()
             if self._peers.get(peer.name) is not peer:
@@ -400,6 +440,7 @@ class Agent:
         """True: the peer's process runs; False: it is known gone, so no transfer it
         posted into our memory can land any more; None: the backend cannot tell.
         Works for a replaced or disconnected ``Peer`` too (the old process)."""
+        _check_peer(peer)
         with self._lock:
             self._check_open()
             try:
@@ -412,8 +453,8 @@ class Agent:
         try:
             self._backend.disconnect(peer._handle)
         finally:
-            for t in list(self._pending.values()):
-                if t.peer is peer:
+            for t in list(self._pending.values()):  # also those posted on an earlier Peer of the name
+                if t.peer.name == peer.name:
                     self._fail(t, reason)
 
     # -- data path ------------------------------------------------------------
@@ -513,6 +554,9 @@ class Agent:
     def _prepare(self, op: Op, peer: Peer, local: Segments, remote: Segments,
                  notify: bytes | None, timeout: float | None) -> PreparedTransfer:
         """Validation (T4) and merging; caller holds the lock."""
+        if not isinstance(op, Op):
+            raise InvalidSegmentsError(f"op must be kvtransport.Op.READ or Op.WRITE, got {op!r}")
+        _check_peer(peer)
         caps = self._backend.capabilities
         if (op is Op.READ and not caps.read) or (op is Op.WRITE and not caps.write):
             raise BackendOptionError(f"backend {self.backend_name!r} does not support {op.name}")
@@ -648,7 +692,15 @@ class Agent:
         """Messages peers attached to transfers or sent standalone, oldest first; drains."""
         with self._lock:
             self._check_open()
-            msgs = [Notification(p, bytes(m)) for p, m in self._backend.notifications()]
+            try:
+                raw = self._backend.notifications()
+            except KVTransportError:
+                raise
+            except Exception as exc:
+                raise NotificationError(
+                    f"backend {self.backend_name!r} failed to deliver notifications: "
+                    f"{type(exc).__name__}: {exc}") from exc
+            msgs = [Notification(p, bytes(m)) for p, m in raw]
             self._stats["notifications_received"] += len(msgs)
             return msgs
 
@@ -787,11 +839,34 @@ def open_agent(backend: str = "loopback", *, name: str | None = None,
     if cfg.name is None:
         cfg.name = f"{backend}-{secrets.token_hex(4)}"
     _check_timeout(cfg.default_timeout_s)
+    _check_core_config(cfg)
     cls = load_backend_class(backend)
     av = probe_class(cls)
     if not av.usable:
         raise BackendUnavailableError(backend, av.reason, av.install_hint)
     impl: Backend = cls(cfg.name, options)
-    if cfg.faults is not None:
-        impl = FaultInjectingBackend(impl, cfg.faults)
-    return Agent(impl, cfg)
+    try:
+        if cfg.faults is not None:
+            impl = FaultInjectingBackend(impl, cfg.faults)
+        return Agent(impl, cfg)
+    except BaseException:
+        try:
+            impl.close()  # its threads, sockets and files must not outlive a failed open
+        except Exception:  # the open's own error is the one to report
+            pass
+        raise
+
+
+def _check_core_config(cfg: AgentConfig) -> None:
+    """Typed errors for bad core settings, before a backend (threads, sockets) exists."""
+    if not isinstance(cfg.name, str) or not cfg.name:
+        raise BackendOptionError(f"name must be a non-empty string, got {cfg.name!r}")
+    for key, low in (("latency_window", 1), ("progress_window", 0), ("max_metadata_bytes", 1)):
+        v = getattr(cfg, key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise BackendOptionError(f"core option {key} must be an integer >= {low}, got {v!r}")
+    if cfg.layout is not None and not isinstance(cfg.layout, Mapping):
+        raise BackendOptionError(f"core option layout must be a mapping of layout facts or None, "
+                                 f"got {type(cfg.layout).__name__}")
+    if cfg.faults is not None and not isinstance(cfg.faults, FaultPlan):
+        raise BackendOptionError(f"core option faults must be a FaultPlan, got {type(cfg.faults).__name__}")

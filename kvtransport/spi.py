@@ -291,8 +291,12 @@ class Backend(abc.ABC):
         return False
 
     def quiesced(self, handle: Any) -> bool:
-        """After a False ``cancel``: can the backend now promise nothing more lands?"""
-        return self.poll(handle).state is not PollState.PENDING
+        """After a False ``cancel``: can the backend now promise nothing more lands?
+
+        The default trusts ``poll``: a transfer still PENDING, or FAILED with
+        ``quiesced=False``, may still land bytes; a backend that knows better overrides."""
+        r = self.poll(handle)
+        return r.state is not PollState.PENDING and (r.state is not PollState.FAILED or r.quiesced)
 
     def release(self, handle: Any) -> None:
         """The core is done with ``handle``; free backend resources."""
