@@ -69,8 +69,12 @@ def parse_remote_source(params: dict[str, Any], request_id: str, mode: str, tp_s
     try:
         peer = peer_from_params(params, request_id, "prefill")
         key = transfer_key(params, request_id)
-    except (TypeError, ValueError) as exc:
-        raise KVTransferParamsError(request_id, f"unusable producer address ({exc})") from None
+    except Exception as exc:  # any malformed value: JSON gives dicts, Infinity, huge ints
+        raise KVTransferParamsError(request_id, f"unusable producer address ({type(exc).__name__}: {exc})") from None
+    if peer is not None:
+        _check_endpoint(peer, request_id)
+    if key is not None:
+        _check_text(key, "transfer key (transfer_id or remote_engine_id:remote_request_id)", request_id)
     missing: list[str] = []
     if peer is None:
         missing += [k for k in ("remote_host", "remote_port") if not params.get(k)]
@@ -84,21 +88,58 @@ def parse_remote_source(params: dict[str, Any], request_id: str, mode: str, tp_s
     if peer is None or key is None:  # defensive: each None above names a missing key
         raise KVTransferParamsError(request_id, "no producer address or transfer key")
     try:
+        if blocks is not None and not isinstance(blocks, (list, tuple)):
+            raise TypeError("remote_block_ids is not a list")
         if blocks and isinstance(blocks[0], (list, tuple)):  # hybrid model: ids per KV cache group
-            groups = [[int(b) for b in g] for g in blocks]
+            groups = [[_integer(b, 0, MAX_BLOCK_ID) for b in g] for g in blocks]
         else:
-            groups = [[int(b) for b in (blocks or ())]]
+            groups = [[_integer(b, 0, MAX_BLOCK_ID) for b in (blocks or ())]]
         block_ids = groups[0]
         remote_tokens = params.get("remote_num_tokens")
-        num_tokens = int(remote_tokens) if remote_tokens else None
-        remote_tp = None if params.get("tp_size") is None else int(params["tp_size"])
-    except (TypeError, ValueError):
-        raise KVTransferParamsError(request_id, "remote_block_ids / remote_num_tokens / tp_size are not integers",
-                                    peer=peer, key=key) from None
-    if remote_tp is not None and remote_tp < 1:
-        raise KVTransferParamsError(request_id, f"producer tp_size {remote_tp!r} is not a TP size (>= 1)",
-                                    peer=peer, key=key)
+        num_tokens = _integer(remote_tokens, 0, MAX_BLOCK_ID) if remote_tokens else None
+        remote_tp = None if params.get("tp_size") is None else _integer(params["tp_size"], 1, MAX_TP)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise KVTransferParamsError(
+            request_id, f"remote_block_ids / remote_num_tokens / tp_size are not usable integers ({exc})",
+            peer=peer, key=key) from None
     # A tp_size other than ours is a heterogeneous-TP load (tp_mapping); whether the heads
     # map is checked by the workers, which know the head count, at the hand-shake.
     return RemoteSource(peer, key, str(params.get("remote_engine_id") or ""), block_ids, num_tokens,
                         remote_tp or 0, groups)
+
+
+#: Bounds on numbers a router forwards (JSON allows huge ints and Infinity): a block id or
+#: token count beyond 2**31, or more producer TP ranks than a side channel opens sockets
+#: for, is refused like any malformed value, before a worker acts on it.
+MAX_BLOCK_ID = 2**31 - 1
+MAX_TP = 256
+_HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_:[]%")
+
+
+def _integer(value: Any, low: int, high: int) -> int:
+    """``value`` as an int in [low, high]: a bool, a fraction, NaN or infinity is an error."""
+    if isinstance(value, bool):
+        raise TypeError(f"{value!r} is not an integer")
+    if isinstance(value, float) and not value.is_integer():  # NaN, inf and 2.5 alike
+        raise ValueError(f"{value!r} is not an integer")
+    n = int(value)
+    if not low <= n <= high:
+        raise ValueError(f"{n} is outside [{low}, {high}]")
+    return n
+
+
+def _check_text(text: str, what: str, request_id: str) -> None:
+    try:
+        ok = 0 < len(text) <= 1024 and "\x00" not in text and bool(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        ok = False
+    if not ok:
+        raise KVTransferParamsError(request_id, f"the {what} is not 1-1024 characters of UTF-8 text: {text[:64]!r}")
+
+
+def _check_endpoint(peer: Endpoint, request_id: str) -> None:
+    if not isinstance(peer.port, int) or not 0 < peer.port < 65536:
+        raise KVTransferParamsError(request_id, f"remote_port {peer.port!r} is not a TCP port (1-65535)")
+    host = peer.host
+    if not 0 < len(host) <= 253 or not set(host) <= _HOST_CHARS:
+        raise KVTransferParamsError(request_id, f"remote_host {host[:64]!r} is not a host name or IP address")

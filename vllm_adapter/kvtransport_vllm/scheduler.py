@@ -125,21 +125,29 @@ class KVTransportScheduler:
         local = unhashed
         remote: list[int] = []
         sizes: list[int] = []
+        # blocks that will hold the loaded tokens (a local prefix hit is whole blocks)
+        need = -(-(n_local_cached * self.block_size + num_external_tokens) // self.block_size) - n_local_cached
+        if self.cfg.mode == "read":
+            short = [g for g, ids in enumerate(src.remote_block_groups) if len(ids) < n_local_cached + need]
+            if short:
+                # vLLM counts every announced token as loaded and may cache the blocks: a load
+                # that cannot fill them all must fail (load failure policy), never run short
+                self._refuse(request, src, unhashed,
+                             f"the producer sent {len(src.remote_block_groups[short[0]])} block ids (KV cache "
+                             f"group {short[0]}) for {n_local_cached * self.block_size + num_external_tokens} "
+                             f"tokens, which need {n_local_cached + need} blocks of {self.block_size}: "
+                             "remote_block_ids must list every block of the prefill")
+                return
         if len(self.groups) > 1:
             # hybrid: every group's blocks from the first block not cached locally, paired
             # by position with the producer's (READ) or clipped to the window (WRITE)
             per_group = [list(ids) for ids in blocks.get_block_ids()]
             if self.cfg.mode == "read" and len(src.remote_block_groups) != len(per_group):
                 # never pair one group's ids with another's: fail the load (load failure policy)
-                self._meta.notices.append(PeerNotice(src.key, src.peer.host, src.peer.port, "release",
-                                                     src.remote_tp))
-                self._meta.recv.append(RecvJob(
-                    req_id=request.request_id, key="", mode=self.cfg.mode, local_block_ids=unhashed,
-                    remote_block_ids=[], host="", port=0,
-                    refused=(f"the producer sent block ids for {len(src.remote_block_groups)} KV cache "
+                self._refuse(request, src, unhashed,
+                             f"the producer sent block ids for {len(src.remote_block_groups)} KV cache "
                              f"group(s), this engine has {len(per_group)}: both engines must serve the "
-                             "same model with the same hybrid KV cache manager setting"),
-                    created_at=time.time()))
+                             "same model with the same hybrid KV cache manager setting")
                 return
             if self.cfg.mode == "read":
                 lo, re = pair_by_position(per_group, src.remote_block_groups, n_local_cached, self.groups)
@@ -166,6 +174,15 @@ class KVTransportScheduler:
                 group_sizes=sizes,
             )
         )
+
+    def _refuse(self, request: Request, src: RemoteSource, unhashed: list[int], reason: str) -> None:
+        """Fail a load the params describe but that cannot be done right: the producer frees
+        its hold, the worker reports the blocks failed at once (vLLM's load failure policy)."""
+        self.loading.pop(request.request_id, None)
+        self._meta.notices.append(PeerNotice(src.key, src.peer.host, src.peer.port, "release", src.remote_tp))
+        self._meta.recv.append(RecvJob(req_id=request.request_id, key="", mode=self.cfg.mode,
+                                       local_block_ids=unhashed, remote_block_ids=[], host="", port=0,
+                                       refused=reason, created_at=time.time()))
 
     # -- both -----------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> KVTransportMetadata:
