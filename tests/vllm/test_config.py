@@ -14,7 +14,13 @@ def test_unknown_key_names_key_and_accepted_ones():
 @pytest.mark.parametrize("extra, msg", [
     ({"mode": "pull"}, "mode must be"),
     ({"load_failure_policy": "retry"}, "load_failure_policy"),
-    ({"transfer_timeout_s": -1}, "transfer_timeout_s must be > 0"),
+    ({"transfer_timeout_s": -1}, "transfer_timeout_s must be a finite number > 0"),
+    ({"transfer_timeout_s": "nan"}, "transfer_timeout_s must be a finite number > 0"),
+    ({"lease_s": "nan"}, "lease_s must be a finite number > 0"),  # a NaN lease never lapsed
+    ({"lease_s": float("inf")}, "lease_s must be a finite number > 0"),
+    ({"side_channel_port": float("inf")}, "side_channel_port must be a number"),
+    ({"max_message_bytes": "inf"}, "max_message_bytes must be a number"),
+    ({"gil_switch_interval_s": "nan"}, "gil_switch_interval_s must be between"),
     ({"transfer_timeout_s": 30, "lease_s": 5}, "lease_s .* must be >= transfer_timeout_s"),
     ({"backend_options": [1]}, "backend_options must be"),
 ])

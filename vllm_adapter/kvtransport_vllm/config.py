@@ -7,6 +7,7 @@ clear start-up error that names the key and the accepted ones, never a silent de
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import socket
 from dataclasses import dataclass, field
@@ -221,10 +222,10 @@ class ConnectorConfig:
             raw = extra.get(key, default)
             try:
                 val = kind(raw)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):  # int(inf) overflows
                 raise ConnectorConfigError(f"KVTransportConnector: {key} must be a number, got {raw!r}") from None
-            if val <= 0:
-                raise ConnectorConfigError(f"KVTransportConnector: {key} must be > 0, got {raw!r}")
+            if not math.isfinite(val) or val <= 0:  # NaN passes every comparison
+                raise ConnectorConfigError(f"KVTransportConnector: {key} must be a finite number > 0, got {raw!r}")
             return val
 
         port = _num("side_channel_port", 5600, int)
@@ -326,7 +327,7 @@ def _switch_interval(raw: Any) -> float:
         val = float(raw)
     except (TypeError, ValueError):
         raise ConnectorConfigError(f"KVTransportConnector: gil_switch_interval_s must be a number, got {raw!r}") from None
-    if val < 0 or val > 1:
+    if not 0 <= val <= 1:  # NaN included
         raise ConnectorConfigError(
             f"KVTransportConnector: gil_switch_interval_s must be between 0 (leave Python's default) and 1 s, got {raw!r}")
     return val
