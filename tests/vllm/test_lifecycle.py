@@ -7,7 +7,7 @@ requests), R4 (no leak).
 import pytest
 
 from kvtransport_vllm.consumer import RecvState
-from harness import finish_reason, prompt_of
+from harness import finish_reason, prompt_of, run_until
 from vllm.v1.request import RequestStatus
 
 
@@ -157,6 +157,24 @@ def test_local_prefix_hit_loads_only_the_tail(pairs):
     moved = sum(o.kv_connector_stats.data["bytes"] for o in pair.C.kv_outputs if o.kv_connector_stats)
     assert moved == 1 * 2 * (2 * 16 * 128 * 4)  # one block, two layers
     pair.drain()
+    pair.assert_no_leak()
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_a_prefill_that_generated_tokens_offers_its_prompt_blocks_only(pairs, mode):
+    """A prefill run with max_tokens > 1 holds blocks past the prompt; a WRITE pairs blocks by
+    the ends of both lists, so the producer must offer the prompt's blocks only (before: every
+    written block shifted by two, with no error)."""
+    pair = pairs(mode, policy="recompute", timeout_s=2.0, lease_s=4.0)
+    prompt = prompt_of(40, seed=3)  # 3 blocks of 16
+    pair.P.add("p1", prompt, 30, {"do_remote_decode": True})  # 40 + 30 tokens: 5 blocks
+    run_until([pair.P], lambda: "p1" in pair.params, on_params=pair.params.update)
+    params = pair.params["p1"]
+    assert len(params["remote_block_ids"]) == 3 and params["remote_num_tokens"] == 40
+    pair.C.add("c1", prompt, 3, params)
+    assert pair.run_to_end_checking_kv("c1", prompt) == [[]]
+    assert not [o.failed_recving for o in pair.C.kv_outputs if o.failed_recving]
+    pair.drain(timeout=15)
     pair.assert_no_leak()
 
 

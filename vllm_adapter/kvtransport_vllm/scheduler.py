@@ -245,6 +245,13 @@ class KVTransportScheduler:
                 self._meta.notices.append(PeerNotice(key, router.decode.host, router.decode.port, "aborted"))
             return False, None
 
+        # Offer the prompt's blocks only: a prefill that also generated tokens (max_tokens > 1)
+        # holds blocks past the prompt, and a WRITE pairs the consumer's blocks with the ends
+        # of ours, so those would shift every written block (vLLM frees them with the rest).
+        tokens = min(int(request.num_computed_tokens), int(request.num_prompt_tokens))
+        n_blocks = -(-tokens // self.block_size)
+        per_group = [ids[:n_blocks] for ids in per_group]
+        block_ids, sizes = flatten(per_group)
         self.held[rid] = key
         self._meta.hold.append(HoldJob(req_id=rid, key=key, block_ids=list(block_ids), group_sizes=sizes))
         return True, {
@@ -256,7 +263,7 @@ class KVTransportScheduler:
             "remote_port": self.remote_port,
             # one group: a flat list (what NixlConnector-style routers expect); hybrid: per group
             "remote_block_ids": list(block_ids) if not sizes else per_group,
-            "remote_num_tokens": int(request.num_computed_tokens),
+            "remote_num_tokens": tokens,
             "transfer_id": key,
             "lease_expires_at": time.time() + self.cfg.lease_s,
             "kvtransport_mode": self.cfg.mode,
