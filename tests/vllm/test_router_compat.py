@@ -70,7 +70,7 @@ def test_incomplete_params_name_the_missing_keys():
     hetero = parse_remote_source({"remote_engine_id": "P", "remote_request_id": "q", "remote_host": "h",
                                   "remote_port": 1, "tp_size": 2}, "r1", "write", tp_size=1)
     assert hetero.remote_tp == 2
-    with pytest.raises(KVTransferParamsError, match="tp_size 0 is not a TP size"):
+    with pytest.raises(KVTransferParamsError, match=r"tp_size 0 is outside \[1, 256\]"):
         parse_remote_source({"remote_engine_id": "P", "remote_request_id": "q", "remote_host": "h",
                              "remote_port": 1, "tp_size": 0}, "r1", "write", tp_size=1)
 

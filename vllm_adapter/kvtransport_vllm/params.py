@@ -91,16 +91,16 @@ def parse_remote_source(params: dict[str, Any], request_id: str, mode: str, tp_s
         if blocks is not None and not isinstance(blocks, (list, tuple)):
             raise TypeError("remote_block_ids is not a list")
         if blocks and isinstance(blocks[0], (list, tuple)):  # hybrid model: ids per KV cache group
-            groups = [[_integer(b, 0, MAX_BLOCK_ID) for b in g] for g in blocks]
+            groups = [[_integer(b, 0, MAX_BLOCK_ID, "block id") for b in g] for g in blocks]
         else:
-            groups = [[_integer(b, 0, MAX_BLOCK_ID) for b in (blocks or ())]]
+            groups = [[_integer(b, 0, MAX_BLOCK_ID, "block id") for b in (blocks or ())]]
         block_ids = groups[0]
         remote_tokens = params.get("remote_num_tokens")
-        num_tokens = _integer(remote_tokens, 0, MAX_BLOCK_ID) if remote_tokens else None
-        remote_tp = None if params.get("tp_size") is None else _integer(params["tp_size"], 1, MAX_TP)
+        num_tokens = _integer(remote_tokens, 0, MAX_BLOCK_ID, "remote_num_tokens") if remote_tokens else None
+        remote_tp = None if params.get("tp_size") is None else _integer(params["tp_size"], 1, MAX_TP, "tp_size")
     except (TypeError, ValueError, OverflowError) as exc:
         raise KVTransferParamsError(
-            request_id, f"remote_block_ids / remote_num_tokens / tp_size are not usable integers ({exc})",
+            request_id, f"remote_block_ids / remote_num_tokens / tp_size: {exc}",
             peer=peer, key=key) from None
     # A tp_size other than ours is a heterogeneous-TP load (tp_mapping); whether the heads
     # map is checked by the workers, which know the head count, at the hand-shake.
@@ -116,15 +116,16 @@ MAX_TP = 256
 _HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_:[]%")
 
 
-def _integer(value: Any, low: int, high: int) -> int:
+def _integer(value: Any, low: int, high: int, what: str) -> int:
     """``value`` as an int in [low, high]: a bool, a fraction, NaN or infinity is an error."""
-    if isinstance(value, bool):
-        raise TypeError(f"{value!r} is not an integer")
-    if isinstance(value, float) and not value.is_integer():  # NaN, inf and 2.5 alike
-        raise ValueError(f"{value!r} is not an integer")
-    n = int(value)
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):  # NaN, inf, 2.5
+        raise ValueError(f"{what} {value!r} is not an integer")
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} {value!r} is not an integer") from None
     if not low <= n <= high:
-        raise ValueError(f"{n} is outside [{low}, {high}]")
+        raise ValueError(f"{what} {n} is outside [{low}, {high}]")
     return n
 
 
