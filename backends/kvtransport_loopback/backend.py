@@ -276,6 +276,8 @@ class LoopbackBackend(Backend):
             else:
                 cma.copy_segments("read" if req.op is Op.READ else "write", peer.pid,
                                   req.local_addr, req.remote_addr, req.length)
+                if not peer.alive():  # the pid may name another process by now: not DONE
+                    return self._failed_job(f"peer {peer.name!r} (pid {peer.pid}) ended during the copy")
         except cma.CmaError as exc:
             if exc.errno == errno.EPERM and self.ptrace.needs_grant and not self._closed:
                 self._notifier.submit(self._send_attach, peer)  # ask for the grant again
@@ -285,6 +287,13 @@ class LoopbackBackend(Backend):
         job = _Job(0)
         job.started = job.finished = True
         job.result = PollResult.done()
+        return job
+
+    @staticmethod
+    def _failed_job(reason: str) -> _Job:
+        job = _Job(0)
+        job.started = job.finished = True
+        job.result = PollResult.failed(reason, quiesced=True)
         return job
 
     def _split(self, req: PostRequest) -> list[slice | tuple[int, int, int]]:
@@ -313,6 +322,8 @@ class LoopbackBackend(Backend):
 
     def _copy(self, job: _Job, req: PostRequest, peer: _Peer, part: slice | tuple[int, int, int]) -> None:
         with job.lock:
+            if self._closed and job.error is None:
+                job.error = "the agent was closed before this part was copied"
             skip = job.cancelled or job.error is not None
             if not skip:
                 job.started = True
@@ -330,6 +341,11 @@ class LoopbackBackend(Backend):
                 self._memmove(req.op, la, ra, ln)
             else:
                 self._cma_copy(job, req, peer, la, ra, ln)
+                # The copy named the peer by pid only: if it ended meanwhile, the pid may
+                # be another process's and the bytes are not the peer's (READ) or went to
+                # a stranger (WRITE). Alive now means alive throughout: fail otherwise.
+                if not peer.alive():
+                    raise ConnectionError("ended during the copy")
         except Exception as exc:
             with job.lock:
                 job.error = job.error or (
@@ -435,10 +451,18 @@ class LoopbackBackend(Backend):
         if self._closed:
             return
         self._closed = True
-        self._copiers.shutdown(wait=True, cancel_futures=True)
+        # Not cancel_futures: a dropped part would leave its job PENDING and unquiesced for
+        # good; queued parts run, see _closed and end their jobs FAILED without copying.
+        self._copiers.shutdown(wait=True)
         for p in list(self._peers.values()):
             self._retire(p)
         self._notifier.shutdown(wait=True)
+        # No thread of ours asks any more: close the peers' /proc/PID/stat descriptors now
+        # (a peer replaced or disconnected earlier closes its own when it is collected).
+        for p in self._peers.values():
+            if p.watch is not None:
+                p.watch.close()
+        self._peers.clear()
         self._rx.close()
         for path, rm in ((self._ipc_path, os.unlink), (self._own_dir, os.rmdir)):
             try:

@@ -20,6 +20,10 @@ from .ptrace import yama_scope
 __all__ = ["IOV_MAX", "CmaError", "cma_available", "copy_segments"]
 
 IOV_MAX = 1024
+#: Bytes one call may move: the kernel moves at most MAX_RW_COUNT (2 GiB - 4 KiB) per
+#: call and reports the rest as a short count, which would read as a failed copy. Larger
+#: segments are cut, and a call carries at most this many bytes.
+MAX_CALL_BYTES = 1 << 30
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _ssize_t = ctypes.c_ssize_t
@@ -69,6 +73,9 @@ def copy_segments(op: str, pid: int, local_addr: np.ndarray, remote_addr: np.nda
     issuing new copies (what is already in a call completes).
     """
     fn = _fns["process_vm_readv" if op == "read" else "process_vm_writev"]
+    cap = MAX_CALL_BYTES
+    if int(length.max(initial=0)) > cap:
+        local_addr, remote_addr, length = _cut(local_addr, remote_addr, length, cap)
     n = int(length.size)
     liov = np.empty((n, 2), dtype=np.uint64)
     riov = np.empty((n, 2), dtype=np.uint64)
@@ -80,11 +87,14 @@ def copy_segments(op: str, pid: int, local_addr: np.ndarray, remote_addr: np.nda
     rbase = riov.ctypes.data
     ends = np.cumsum(length, dtype=np.uint64)
     moved = 0
-    for start in range(0, n, IOV_MAX):
+    start = 0
+    while start < n:
         if should_stop is not None and should_stop():
             raise CmaError(errno.ECANCELED, "transfer cancelled")
-        cnt = min(IOV_MAX, n - start)
-        want = int(ends[start + cnt - 1]) - (int(ends[start - 1]) if start else 0)
+        base = int(ends[start - 1]) if start else 0
+        # up to IOV_MAX segments and `cap` bytes (every segment is <= cap, so at least one)
+        cnt = max(1, min(IOV_MAX, int(np.searchsorted(ends, base + cap, side="right")) - start))
+        want = int(ends[start + cnt - 1]) - base
         got = fn(pid, lbase + start * 16, cnt, rbase + start * 16, cnt, 0)
         if got < 0:
             err = ctypes.get_errno()
@@ -93,4 +103,17 @@ def copy_segments(op: str, pid: int, local_addr: np.ndarray, remote_addr: np.nda
             # Partial copies happen only when part of a range is unmapped on one side.
             raise CmaError(errno.EFAULT, f"process_vm_{op}v to pid {pid} moved {got} of {want} bytes")
         moved += got
+        start += cnt
     return moved
+
+
+def _cut(local_addr: np.ndarray, remote_addr: np.ndarray, length: np.ndarray, cap: int
+         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The same byte ranges as segments of at most ``cap`` bytes (vectorised)."""
+    length = length.astype(np.uint64)
+    pieces = (length + np.uint64(cap - 1)) // np.uint64(cap)
+    seg = np.repeat(np.arange(length.size), pieces.astype(np.int64))
+    first = np.repeat(np.cumsum(pieces) - pieces, pieces.astype(np.int64))
+    off = (np.arange(seg.size, dtype=np.uint64) - first.astype(np.uint64)) * np.uint64(cap)
+    ln = np.minimum(np.uint64(cap), length[seg] - off)
+    return (local_addr.astype(np.uint64)[seg] + off, remote_addr.astype(np.uint64)[seg] + off, ln)
