@@ -58,3 +58,25 @@ def test_a_short_block_list_is_refused_never_run_on_unwritten_blocks(pairs, rout
     assert pair.run_to_end_checking_kv("c2", prompt) == [[]], "c2 was served unwritten cached blocks"
     pair.drain(timeout=15)
     pair.assert_no_leak()
+
+
+@pytest.mark.parametrize("params", ["do_remote_prefill", ["do_remote_prefill"], 7])
+def test_params_that_are_not_a_mapping_mean_a_local_prefill(pairs, params):
+    """Offline ``extra_args`` reach the connector unchecked by vLLM."""
+    pair = pairs("read", policy="recompute", timeout_s=1.0, lease_s=2.0)
+    prompt = prompt_of(50, seed=4)
+    pair.C.add("c1", prompt, 2, None).kv_transfer_params = params  # as given, not made a dict
+    assert pair.run_to_end_checking_kv("c1", prompt) == [[]]
+    assert finish_reason(pair.C, "c1") == "length"
+    pair.drain(timeout=15)
+    pair.assert_no_leak()
+
+
+def test_do_remote_prefill_sent_as_text_false_is_no_remote_load(pairs):
+    pair = pairs("read", policy="recompute", timeout_s=1.0, lease_s=2.0)
+    prompt = prompt_of(50, seed=4)
+    params = dict(pair.prefill("p1", prompt), do_remote_prefill="false")
+    pair.C.add("c1", prompt, 2, params)
+    assert pair.run_to_end_checking_kv("c1", prompt) == [[]]
+    assert not pair.C.first_start.get("c1"), "c1 loaded remote KV although do_remote_prefill was 'false'"
+    assert not [o.failed_recving for o in pair.C.kv_outputs if o.failed_recving]

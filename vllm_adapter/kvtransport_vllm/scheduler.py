@@ -60,8 +60,8 @@ class KVTransportScheduler:
         if not self.cfg.is_consumer:
             return None
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
-            return None
+        if not isinstance(params, dict) or not _flag(params, "do_remote_prefill"):
+            return None  # not a dict: offline extra_args are not checked by vLLM
         try:
             return parse_remote_source(params, request.request_id, self.cfg.mode, self.tp_size)
         except KVTransferParamsError as exc:
@@ -213,10 +213,10 @@ class KVTransportScheduler:
         params = request.kv_transfer_params
         self.loading.pop(rid, None)
         self.queued.pop(rid, None)
-        if not params:
+        if not params or not isinstance(params, dict):
             return False, None
 
-        if self.cfg.is_consumer and params.get("do_remote_prefill"):
+        if self.cfg.is_consumer and _flag(params, "do_remote_prefill"):
             # Finished (aborted) before any block was allocated: the producer still
             # holds its blocks for us, tell it to free them now (R5).
             found = self._remote_load(request)
@@ -228,7 +228,7 @@ class KVTransportScheduler:
                 self._meta.notices.append(PeerNotice(key, peer.host, peer.port, "release", remote_tp))
             return False, None
 
-        if not (self.cfg.is_producer and params.get("do_remote_decode")):
+        if not (self.cfg.is_producer and _flag(params, "do_remote_decode")):
             return False, None
 
         router = None
@@ -275,3 +275,11 @@ class KVTransportScheduler:
             self.held.pop(rid, None)
         for rid in connector_output.finished_recving or ():
             self.loading.pop(rid, None)
+
+
+def _flag(params: dict[str, Any], key: str) -> bool:
+    """A yes/no of kv_transfer_params; a router that sends text sends "true" / "false"."""
+    value = params.get(key)
+    if isinstance(value, str):
+        return value.strip().lower() in ("true", "1", "yes")
+    return bool(value)
