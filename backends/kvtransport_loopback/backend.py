@@ -74,6 +74,7 @@ class _Export(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     boot_id: str
     notify_addr: str
     notify_key: bytes = b""  # absent in blobs of kvtransport before authenticated notifications
+    pid_ns: str = ""  # the pid namespace ``pid`` is valid in ("" = unknown, or an older blob)
 
 
 class _Attach(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -192,7 +193,7 @@ class LoopbackBackend(Backend):
     # -- peers ----------------------------------------------------------------
     def export(self) -> bytes:
         return msgspec.msgpack.encode(_Export(self.pid, self.identity.start_time, self.boot_id,
-                                              self.notify_addr, self._notify_key))
+                                              self.notify_addr, self._notify_key, self.identity.pid_ns))
 
     def connect(self, peer_name: str, blob: bytes, regions: Sequence[RemoteRegion]) -> Any:
         try:
@@ -209,7 +210,15 @@ class LoopbackBackend(Backend):
             raise PeerMetadataError(
                 f"peer {peer_name!r} exported no notification key (a kvtransport from before "
                 "authenticated notifications); run the same kvtransport version on both sides")
-        same = exp.pid == self.pid
+        mine = self.identity.pid_ns
+        if exp.pid_ns and mine and exp.pid_ns != mine:
+            # CMA names a process by pid in *our* namespace: the peer's pid would name another
+            # process here (two containers' engines are often both pid 1)
+            raise IncompatiblePeerError(
+                f"peer {peer_name!r} runs in another pid namespace (a container without the host's "
+                "pid namespace); loopback reaches a process by its pid, so run both engines in one "
+                "pid namespace (docker --pid=host, or one pod with shareProcessNamespace) or use ucx")
+        same = exp.pid == self.pid and exp.start_time == self.identity.start_time
         if not same and not self.cma_ok:
             raise IncompatiblePeerError(
                 f"peer {peer_name!r} is another process but {self.cma_reason}")

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import kvtransport_loopback.backend as lb
+from kvtransport import errors
 from kvtransport.process_identity import boot_id, process_start_time
 from kvtransport.spi import Op, PollState, PostRequest
 from kvtransport_loopback import cma
@@ -194,3 +195,32 @@ def test_close_releases_the_peers_proc_descriptors(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+def _blob_of(ident, tmp, start_time: int | None = None, pid_ns: str | None = None) -> bytes:
+    return msgspec.msgpack.encode(lb._Export(
+        ident.pid, ident.start_time if start_time is None else start_time, ident.boot_id,
+        f"ipc://{tmp}/unused.sock", b"k" * 32, ident.pid_ns if pid_ns is None else pid_ns))
+
+
+def test_a_peer_in_another_pid_namespace_is_refused(tmp_path):
+    """Engines in two containers are often both pid 1: a pid from another namespace names
+    another process here, so CMA cannot reach the peer by it."""
+    be = lb.LoopbackBackend("ns", {})
+    try:
+        assert be.identity.pid_ns, "this test needs /proc/self/ns/pid"
+        with pytest.raises(errors.IncompatiblePeerError, match="another pid namespace"):
+            be.connect("container", _blob_of(be.identity, tmp_path, pid_ns="pid:[1]"), [])
+    finally:
+        be.close()
+
+
+def test_a_peer_with_our_pid_but_another_start_time_is_not_this_process(tmp_path):
+    """Our pid alone made a peer 'this process' (memmove / cma on ourselves at its addresses)."""
+    be = lb.LoopbackBackend("me", {})
+    try:
+        with pytest.raises(errors.PeerMetadataError, match="no longer running"):
+            be.connect("twin", _blob_of(be.identity, tmp_path, start_time=be.identity.start_time + 1), [])
+        assert be.connect("me-again", _blob_of(be.identity, tmp_path), []).same_process
+    finally:
+        be.close()
