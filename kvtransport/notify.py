@@ -86,6 +86,11 @@ _MAX_FRAME_BYTES = MAX_PAYLOAD_BYTES + 4096
 #: Nonces remembered inside the authenticator's replay window (~8,700 notifications/s
 #: sustained over its 30 s window before a genuine message would be refused as a flood).
 _MAX_NONCES = 1 << 18
+#: Undrained notifications kept at most (oldest dropped and counted beyond): an agent whose
+#: owner never drains (the vLLM connector does not use notifications) must not grow
+#: without bound when a secret holder keeps sending.
+MAX_QUEUED_BYTES = 64 << 20
+MAX_QUEUED = 1 << 16
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(tuple[int, str, str, bytes])
@@ -119,6 +124,8 @@ class NotificationReceiver:
         self._on_control = on_control
         self._name = name
         self._queue: deque[tuple[str, bytes]] = deque()
+        self._queued_bytes = 0
+        self.dropped = 0  # undrained notifications dropped, oldest first, beyond the bounds
         self._count_lock = threading.Lock()
         self.refusals = 0
         self.malformed = 0  # authentic but undecodable or of another wire version (also refusals)
@@ -174,7 +181,7 @@ class NotificationReceiver:
         if version != WIRE_VERSION:
             return self._refuse(f"notification wire version {version}, expected {WIRE_VERSION}", malformed=True)
         if kind == KIND_NOTIFY:
-            self._queue.append((sender, payload))
+            self._enqueue(sender, payload)
         elif self._on_control is not None:
             try:
                 self._on_control(kind, sender, payload)
@@ -183,13 +190,29 @@ class NotificationReceiver:
         else:
             self._refuse(f"unknown notification kind {kind!r} from {sender!r}", malformed=True)
 
+    def _enqueue(self, sender: str, payload: bytes) -> None:
+        with self._count_lock:
+            q = self._queue
+            q.append((sender, payload))
+            self._queued_bytes += len(payload)
+            dropped = 0
+            while len(q) > MAX_QUEUED or (self._queued_bytes > MAX_QUEUED_BYTES and len(q) > 1):
+                self._queued_bytes -= len(q.popleft()[1])
+                dropped += 1
+            self.dropped += dropped
+            n = self.dropped
+        if dropped and (n == dropped or n // 1000 != (n - dropped) // 1000):
+            log.warning("notification receiver %s dropped %d undrained notifications so far (kept: %d messages, "
+                        "%d bytes at most); drain them with Agent.notifications()", self._name or self.address, n,
+                        MAX_QUEUED, MAX_QUEUED_BYTES)
+
     # -- caller side ----------------------------------------------------------
     def drain(self) -> list[tuple[str, bytes]]:
         """Authenticated ``(sender, payload)`` notifications received so far, oldest first."""
-        out: list[tuple[str, bytes]] = []
-        q = self._queue
-        while q:
-            out.append(q.popleft())
+        with self._count_lock:
+            out = list(self._queue)
+            self._queue.clear()
+            self._queued_bytes = 0
         return out
 
     def close(self) -> None:

@@ -44,9 +44,32 @@ def _side(name: str, kv_heads: int, layout: str, other_heads: int) -> str:
             "outside tokens in each block (vLLM's CPU backend, FlashInfer / HND), or equal TP sizes")
 
 
+def shape_problem(layout: LayoutInfo) -> str:
+    """Why ``layout`` cannot describe a KV cache ("" when it can): sizes that are not
+    positive, per-layer lists of the wrong length, overlapping blocks. A peer's layout is
+    only believed after this (a zero stride divided by, a negative base offset)."""
+    if layout.block_bytes <= 0 or layout.num_layers <= 0 or layout.parts_per_layer <= 0 or layout.block_size <= 0:
+        return (f"block_bytes {layout.block_bytes}, num_layers {layout.num_layers}, parts_per_layer "
+                f"{layout.parts_per_layer} and block_size {layout.block_size} must all be positive")
+    if not layout.part_regions and not layout.block_stride:
+        return ""  # no memory described (a tool's worker): nothing to check
+    if len(layout.part_regions) != layout.num_layers or len(layout.block_stride) != layout.num_layers:
+        return (f"{len(layout.part_regions)} part lists and {len(layout.block_stride)} block strides for "
+                f"{layout.num_layers} layers")
+    for i, (regions, stride) in enumerate(zip(layout.part_regions, layout.block_stride)):
+        if len(regions) != layout.parts_per_layer or any(rid < 0 or base < 0 for rid, base in regions):
+            return f"layer {i}: {len(regions)} parts (want {layout.parts_per_layer}) or a negative region / offset"
+        if stride < layout.block_bytes:
+            return f"layer {i}: block stride {stride} is smaller than a block ({layout.block_bytes} bytes)"
+    return ""
+
+
 def refusal(ours: LayoutInfo, peer: LayoutInfo, us: str = "local", them: str = "peer") -> str:
     """Why ``ours`` and ``peer`` cannot exchange KV ("" when they can): each difference
     with both values and its fix."""
+    shape = shape_problem(peer)
+    if shape:
+        return f"the {them}'s layout is not a KV cache: {shape} (a bug or a forged hand-shake)"
     diffs: list[str] = []
 
     def cmp(name: str, known: bool = True) -> None:

@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 __all__ = ["HoldState", "Hold", "Producer"]
 
 _RECENT = 65536  # remembered ended keys (late messages answered "expired", not "pending")
+#: consumer engines whose hand-shake is kept (the oldest is forgotten beyond: its next write
+#: request is answered "hello" and it hand-shakes again), so made-up engine ids cannot grow it
+_MAX_CONSUMERS = 1024
 
 
 
@@ -117,11 +120,12 @@ class Hold:
         return self.state in (HoldState.POSTING, HoldState.POSTED)
 
 
-def _remember(recent: OrderedDict, key: str, value: Any) -> None:
-    """Set ``recent[key]`` as its newest entry, forgetting the oldest beyond _RECENT."""
+def _remember(recent: OrderedDict, key: str, value: Any, bound: int = 0) -> None:
+    """Set ``recent[key]`` as its newest entry, forgetting the oldest beyond ``bound``
+    (default _RECENT)."""
     recent[key] = value
     recent.move_to_end(key)
-    while len(recent) > _RECENT:
+    while len(recent) > (bound or _RECENT):
         recent.popitem(last=False)
 
 
@@ -136,7 +140,7 @@ class Producer:
         self.confirmed: OrderedDict[str, frozenset[str]] = OrderedDict()
         #: WriteReq that came before the hold (messages race the scheduler's metadata)
         self.early_dest: dict[str, tuple[list[Dest], float]] = {}  # one per consumer rank
-        self.consumer_md: dict[str, bytes] = {}  # consumer engine name -> agent metadata
+        self.consumer_md: OrderedDict[str, bytes] = OrderedDict()  # consumer engine name -> agent metadata
         self.consumer_peers: dict[str, Any] = {}
         self.consumer_layouts: dict[str, LayoutInfo] = {}
         self.done_sending: set[str] = set()
@@ -269,8 +273,8 @@ class Producer:
                 fail = paired
             else:
                 write, next_state = self._write(dest, *paired)
-        except (kvt.errors.KVTransportError, ValueError) as exc:
-            fail = f"write refused: {exc}"
+        except Exception as exc:  # a peer's bad block ids or layout: refuse the write, never the step
+            fail = f"write refused: {type(exc).__name__}: {exc}"
         except BaseException:
             with self.ctx.lock:  # nothing was posted (the agent fails backend errors itself)
                 h.state = HoldState.HELD
@@ -338,9 +342,12 @@ class Producer:
     # Each answer_* is called with the lock held, per key, and returns the key's status.
 
     def on_hello(self, msg: Hello) -> None:
-        self.consumer_md[msg.engine_id] = msg.agent_md
         self.consumer_peers.pop(msg.engine_id, None)  # restarted consumer: reconnect
+        _remember(self.consumer_md, msg.engine_id, msg.agent_md, _MAX_CONSUMERS)
         self.consumer_layouts[msg.engine_id] = msg.layout
+        for gone in set(self.consumer_layouts) - set(self.consumer_md):  # forgotten: all three go
+            self.consumer_layouts.pop(gone, None)
+            self.consumer_peers.pop(gone, None)
 
     def _unknown(self, key: str, give_up: bool, done: bool, rank: int = -1, readers: int = 1,
                  load: str = "") -> str:
@@ -358,7 +365,7 @@ class Producer:
             return "acked"
         if why is None and give_up:
             # before we learnt of the key: remember, free on arrival
-            self.ended[key] = "released"
+            _remember(self.ended, key, "released")
             self.early_dest.pop(key, None)
             return "acked"
         if why is None:

@@ -98,8 +98,8 @@ class ProducerPeers:
             return
         try:
             layouts = remote_layouts(peer, msg.layout)
-        except kvt.errors.KVTransportError as exc:
-            p.fail(f"producer {msg.engine_id} declared an unusable layout: {exc}")
+        except Exception as exc:  # typed errors, and whatever a lying layout makes arithmetic raise
+            p.fail(f"producer {msg.engine_id} declared an unusable layout: {type(exc).__name__}: {exc}")
             return
         p.kvt_peer, p.layouts, p.state, p.error, p.info = peer, layouts, "ready", "", msg.layout
         p.logged_error = ""  # a later refusal is news again
