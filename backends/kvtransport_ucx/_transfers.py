@@ -335,7 +335,7 @@ class DataPath:
 
     def _finish(self, x: Xfer, stage: str) -> None:
         x.stage = stage
-        if not x.flush and not x.posting:  # else kept until its last request is freed
+        if not x.flush and not x.posting and x.am_req is None:  # else kept until its last request ends
             self.active.discard(x)
             x.conn.xfers.discard(x)
         self._signal_progress()
@@ -345,10 +345,9 @@ class DataPath:
         if x.stage in ("done", "failed"):
             return
         x.reason = reason
-        if x.am_req is not None:
-            with self._lanes[0].lock:
-                self._ucp.ucp_request_free(x.am_req)  # UCX releases it when it completes
-            x.am_req = None
+        # A notification still being sent keeps its request and payload buffer: UCX reads
+        # the buffer until the send ends (freeing the request does not stop it), so the
+        # transfer stays in ``active`` and after_progress frees both when it has ended.
         self._finish(x, "failed")
 
     def fail_transfers(self, conn: Conn, reason: str) -> None:
@@ -356,8 +355,23 @@ class DataPath:
         for x in list(conn.xfers):
             self.fail(x, reason)
 
+    def _destroyed(self) -> bool:
+        """The backend closed and destroyed its workers: every request of theirs is gone
+        (never to be checked or freed again) and nothing of any transfer can move."""
+        return self._lanes[0].worker is None
+
+    def _forget(self, x: Xfer) -> None:
+        if x.stage not in ("done", "failed"):
+            x.stage, x.reason = "failed", x.reason or "the agent was closed"
+        x.flush, x.am_req, x.am_bufs, x.posting = [], None, None, 0
+        self.active.discard(x)
+        x.conn.xfers.discard(x)
+
     def poll(self, x: Xfer) -> PollResult:
         with self._w.lock:
+            if self._destroyed():
+                self._forget(x)
+                return PollResult.done() if x.stage == "done" else PollResult.failed(x.reason, True)
             self.advance(x)
             if x.stage == "done":
                 return PollResult.done()
@@ -370,6 +384,9 @@ class DataPath:
         by one: we wait for the flush, and if it does not finish within ``cancel_grace_s``
         the endpoint is force-closed (reopened at the next post)."""
         with self._w.lock:
+            if self._destroyed():
+                self._forget(x)
+                return True
             self.fail(x, "cancelled")
             if x.quiesced:
                 self._release_flush(x)
@@ -381,15 +398,25 @@ class DataPath:
 
     def quiesced(self, x: Xfer) -> bool:
         with self._w.lock:
+            if self._destroyed():
+                self._forget(x)
+                return True
             self._check_flush(x)
             return x.quiesced
 
     def release(self, x: Xfer) -> None:
         with self._w.lock:
-            if x.stage in ("done", "failed") and x.quiesced:
+            if self._destroyed():
+                self._forget(x)
+            elif x.stage in ("done", "failed") and x.quiesced:
                 self._release_flush(x)
 
     def _check_flush(self, x: Xfer) -> None:
+        if x.am_req is not None and x.stage == "failed":  # a failed transfer's notification
+            if self._status(self._lanes[0], x.am_req) != U.UCS_INPROGRESS:
+                with self._lanes[0].lock:
+                    self._ucp.ucp_request_free(x.am_req)
+                x.am_req = x.am_bufs = None
         if x.flush:
             keep = []
             for lane, r in x.flush:
@@ -407,8 +434,9 @@ class DataPath:
             with lane.lock:
                 self._ucp.ucp_request_free(r)
         x.flush = []
-        self.active.discard(x)
-        x.conn.xfers.discard(x)
+        if x.am_req is None:  # else its notification's buffer is kept until the send ends
+            self.active.discard(x)
+            x.conn.xfers.discard(x)
 
     def after_progress(self, now: float) -> None:
         """Progress-thread round (lock held): advance every live transfer, finish cancelled
