@@ -50,6 +50,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvtransport.testing.ports import free_port_range  # noqa: E402
 from kvtransport_vllm.plugin import register  # noqa: E402
+from kvtransport_vllm.side_channel import SideChannelClient  # noqa: E402
 
 NUM_LAYERS = 2
 KV_HEADS = 2
@@ -398,3 +399,20 @@ def finish_reason(engine: Engine, rid: str) -> str | None:
         if o.request_id == rid and o.finish_reason is not None:
             return str(o.finish_reason)
     return None
+
+
+def ask_producer(pair: "Pair", msg: Any, timeout: float = 20.0) -> Any:
+    """Send ``msg`` to the producer's side channel as an authentic peer; its reply.
+    ``timeout`` is a hang guard, not a timing bound."""
+    client = SideChannelClient("127.0.0.1", pair.p_port, auth=pair.P.worker._worker.cfg.make_authenticator())
+    try:
+        cid = client.send(msg)
+        end = time.monotonic() + timeout
+        while True:
+            for reply in client.poll():
+                if reply.cid == cid:
+                    return reply
+            assert time.monotonic() < end, f"no reply to {type(msg).__name__}"
+            time.sleep(0.002)
+    finally:
+        client.close()

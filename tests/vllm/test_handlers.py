@@ -8,11 +8,9 @@ that is only ever a reply (Reply, Welcome, Error) sent as a request gets
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from harness import prompt_of
+from harness import ask_producer, prompt_of
 from kvtransport_vllm.handlers import SideChannelHandlers
 from kvtransport_vllm.messages import (
     Aborted,
@@ -28,24 +26,8 @@ from kvtransport_vllm.messages import (
     WriteReq,
     Written,
 )
-from kvtransport_vllm.side_channel import SideChannelClient
 
 REQUESTS = (Hello, Done, Renew, Release, Cancel, WriteReq, Written, Aborted)
-
-
-def _ask(pair, msg, timeout: float = 20.0):
-    client = SideChannelClient("127.0.0.1", pair.p_port, auth=pair.P.worker._worker.cfg.make_authenticator())
-    try:
-        cid = client.send(msg)
-        end = time.monotonic() + timeout  # a hang guard, not a timing bound
-        while True:
-            for reply in client.poll():
-                if reply.cid == cid:
-                    return reply
-            assert time.monotonic() < end, f"no reply to {type(msg).__name__}"
-            time.sleep(0.002)
-    finally:
-        client.close()
 
 
 def _sample(kind, pw):
@@ -74,15 +56,15 @@ def test_every_request_type_has_its_own_handler(pairs):
     key = params["transfer_id"]
     pair.P.step()  # the hold reaches the worker
     for kind in REQUESTS:
-        reply = _ask(pair, _sample(kind, pw))
+        reply = ask_producer(pair, _sample(kind, pw))
         assert not (isinstance(reply, Error) and reply.code == "unexpected"), (kind.__name__, reply)
         assert isinstance(reply, (Reply, Welcome)), (kind.__name__, reply)
     # what the hold's handlers say about a held key, in protocol order
-    assert _ask(pair, Renew(keys=[key])).status == {key: "ok"}
-    assert _ask(pair, Done(keys=[key], load="L1")).status == {key: "ok"}  # read-then-confirm: frees the hold
-    assert _ask(pair, Done(keys=[key], load="L1")).status == {key: "ok"}  # idempotent for that load
-    assert _ask(pair, Done(keys=[key], load="L2")).status == {key: "expired"}  # another load of the key
-    assert _ask(pair, Renew(keys=[key])).status == {key: "expired"}
+    assert ask_producer(pair, Renew(keys=[key])).status == {key: "ok"}
+    assert ask_producer(pair, Done(keys=[key], load="L1")).status == {key: "ok"}  # read-then-confirm: frees the hold
+    assert ask_producer(pair, Done(keys=[key], load="L1")).status == {key: "ok"}  # idempotent for that load
+    assert ask_producer(pair, Done(keys=[key], load="L2")).status == {key: "expired"}  # another load of the key
+    assert ask_producer(pair, Renew(keys=[key])).status == {key: "expired"}
 
 
 @pytest.mark.parametrize("msg", [Reply(status={"k": "ok"}), Error(code="x", message="y"),
@@ -90,8 +72,8 @@ def test_every_request_type_has_its_own_handler(pairs):
                          ids=["Reply", "Error", "Welcome"])
 def test_reply_types_sent_as_requests_are_refused(pairs, msg):
     pair = pairs("read")
-    reply = _ask(pair, msg)
+    reply = ask_producer(pair, msg)
     assert isinstance(reply, Error) and reply.code == "unexpected", reply
     assert type(msg).__name__ in reply.message
     # the server still serves
-    assert isinstance(_ask(pair, Renew(keys=["nothing"])), Reply)
+    assert isinstance(ask_producer(pair, Renew(keys=["nothing"])), Reply)

@@ -9,35 +9,20 @@ import time
 import msgspec
 import pytest
 
-from harness import prompt_of
+from harness import ask_producer, prompt_of
 from kvtransport_vllm import producer as producer_mod
 from kvtransport_vllm.compat import shape_problem
 from kvtransport_vllm.messages import Error, Hello, Release, Welcome, WriteReq
 from kvtransport_vllm.producer_peers import PeerConn
-from kvtransport_vllm.side_channel import SideChannelClient
 from kvtransport import notify
-
-
-def _ask(pair, msg, timeout: float = 20.0):
-    client = SideChannelClient("127.0.0.1", pair.p_port, auth=pair.P.worker._worker.cfg.make_authenticator())
-    try:
-        cid = client.send(msg)
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            for reply in client.poll():
-                if reply.cid == cid:
-                    return reply
-            time.sleep(0.002)
-        raise AssertionError(f"no reply to {type(msg).__name__}")
-    finally:
-        client.close()
 
 
 def _hello(pair, engine_id: str, layout=None, agent_md: bytes | None = None):
     cw = pair.C.worker._worker
-    return _ask(pair, Hello(engine_id=engine_id, tp_rank=0, agent_md=cw.ctx.agent_md if agent_md is None else agent_md,
-                            layout=cw.ctx.layout if layout is None else layout, reply_host="127.0.0.1",
-                            reply_port=pair.c_port))
+    md = cw.ctx.agent_md if agent_md is None else agent_md
+    return ask_producer(pair, Hello(engine_id=engine_id, tp_rank=0, agent_md=md,
+                                    layout=cw.ctx.layout if layout is None else layout, reply_host="127.0.0.1",
+                                    reply_port=pair.c_port))
 
 
 def test_a_write_request_for_absurd_block_ids_is_refused_and_the_step_goes_on(pairs):
@@ -47,8 +32,8 @@ def test_a_write_request_for_absurd_block_ids_is_refused_and_the_step_goes_on(pa
     pair.P.step()
     name = pair.C.worker._worker.ctx.name
     assert isinstance(_hello(pair, name), Welcome)
-    _ask(pair, WriteReq(key=key, block_ids=[2**63] * 3, engine_id=name, reply_host="127.0.0.1",
-                        reply_port=pair.c_port))
+    ask_producer(pair, WriteReq(key=key, block_ids=[2**63] * 3, engine_id=name, reply_host="127.0.0.1",
+                                reply_port=pair.c_port))
     for _ in range(3):
         pair.P.step()  # raised before
     hold = pair.P.worker._worker.producer.holds.get(key)
@@ -98,7 +83,7 @@ def test_releases_of_unknown_keys_stay_within_the_remembered_bound(pairs, monkey
     monkeypatch.setattr(producer_mod, "_RECENT", 100)  # the same code path, a bound a test can reach
     pair = pairs("read")
     for i in range(5):
-        _ask(pair, Release(keys=[f"k{i}-{j}" for j in range(100)]))
+        ask_producer(pair, Release(keys=[f"k{i}-{j}" for j in range(100)]))
     assert len(pair.P.worker._worker.producer.ended) <= 100
 
 

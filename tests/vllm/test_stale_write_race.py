@@ -28,10 +28,9 @@ import time
 import pytest
 import torch
 
-from harness import prompt_of
+from harness import ask_producer, prompt_of
 from kvtransport import Op
 from kvtransport_vllm.messages import Aborted, Cancel, Release, Reply
-from kvtransport_vllm.side_channel import SideChannelClient
 
 SENTINEL = -7.0  # the stand-in model never writes a negative value
 FAULTS = {"backend_options": {"faults": {"seed": 1}}}  # no random faults: only the gate
@@ -92,21 +91,11 @@ def _start_gated_write(pair, prompt):
     return params, gate, loop
 
 
-def _request(pair, msg, timeout: float = 20.0) -> Reply:
-    """Send ``msg`` to the producer as an authentic peer and wait for its reply."""
-    client = SideChannelClient("127.0.0.1", pair.p_port, auth=pair.P.worker._worker.cfg.make_authenticator())
-    try:
-        cid = client.send(msg)
-        end = time.monotonic() + timeout
-        while True:
-            for reply in client.poll():
-                if reply.cid == cid:
-                    assert isinstance(reply, Reply), reply
-                    return reply
-            assert time.monotonic() < end, f"no reply to {type(msg).__name__}"
-            time.sleep(0.002)
-    finally:
-        client.close()
+def _request(pair, msg) -> Reply:
+    """Send ``msg`` to the producer as an authentic peer; its reply, which must be a Reply."""
+    reply = ask_producer(pair, msg)
+    assert isinstance(reply, Reply), reply
+    return reply
 
 
 def test_consumer_cancel_while_post_blocks_is_not_acked_and_nothing_lands_in_freed_blocks(pairs):
