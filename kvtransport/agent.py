@@ -25,6 +25,7 @@ NIXL's agent; backends that need background progress run their own thread. A
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -32,7 +33,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -267,14 +268,8 @@ class Agent:
             self._check_open()
             rid = next(self._region_ids)
             region = MemoryRegion(rid, addr, length, mkind, device, owner)
-            try:
+            with self._backend_call(f"could not register {length} bytes of {mkind} memory at {addr:#x}"):
                 blob = self._backend.register(LocalRegion(rid, addr, length, mkind, device))
-            except KVTransportError:
-                raise
-            except Exception as exc:
-                raise KVTransportError(
-                    f"backend {self.backend_name!r} could not register {length} bytes of {mkind} "
-                    f"memory at {addr:#x}: {type(exc).__name__}: {exc}") from exc
             self._regions[rid] = (region, bytes(blob))
             self._rebuild_local_index()
             return region
@@ -349,19 +344,24 @@ class Agent:
             return md_mod.encode_metadata(md_mod.AgentMetadata(
                 magic=md_mod.MAGIC, protocol=md_mod.PROTOCOL_VERSION, agent=self.name,
                 instance=self.instance, backend=self.backend_name,
-                backend_version=self._backend.version, blob=self._export(),
+                backend_version=self._backend.version, blob=self._exported(),
                 regions=regions, layout=self.config.layout,
             ))
 
-    def _export(self) -> bytes:
-        try:
+    def _exported(self) -> bytes:
+        with self._backend_call("could not describe itself for peers"):
             return self._backend.export()
+
+    @contextlib.contextmanager
+    def _backend_call(self, failed: str, error: type[KVTransportError] = KVTransportError) -> Iterator[None]:
+        """A backend's own exception reaches the caller as ``error`` saying what ``failed``
+        (typed errors pass unchanged): callers are promised kvtransport errors only."""
+        try:
+            yield
         except KVTransportError:
             raise
         except Exception as exc:
-            raise KVTransportError(
-                f"backend {self.backend_name!r} could not describe itself for peers: "
-                f"{type(exc).__name__}: {exc}") from exc
+            raise error(f"backend {self.backend_name!r} {failed}: {type(exc).__name__}: {exc}") from exc
 
     def connect(self, peer_metadata: bytes) -> Peer:
         """Connect to (or refresh) the peer described by ``peer_metadata``.
@@ -692,14 +692,8 @@ class Agent:
         """Messages peers attached to transfers or sent standalone, oldest first; drains."""
         with self._lock:
             self._check_open()
-            try:
+            with self._backend_call("failed to deliver notifications", NotificationError):
                 raw = self._backend.notifications()
-            except KVTransportError:
-                raise
-            except Exception as exc:
-                raise NotificationError(
-                    f"backend {self.backend_name!r} failed to deliver notifications: "
-                    f"{type(exc).__name__}: {exc}") from exc
             msgs = [Notification(p, bytes(m)) for p, m in raw]
             self._stats["notifications_received"] += len(msgs)
             return msgs

@@ -286,23 +286,22 @@ class LoopbackBackend(Backend):
                 cma.copy_segments("read" if req.op is Op.READ else "write", peer.pid,
                                   req.local_addr, req.remote_addr, req.length)
                 if not peer.alive():  # the pid may name another process by now: not DONE
-                    return self._failed_job(f"peer {peer.name!r} (pid {peer.pid}) ended during the copy")
+                    return self._ended_job(PollResult.failed(
+                        f"peer {peer.name!r} (pid {peer.pid}) ended during the copy", quiesced=True))
         except cma.CmaError as exc:
             if exc.errno == errno.EPERM and self.ptrace.needs_grant and not self._closed:
                 self._notifier.submit(self._send_attach, peer)  # ask for the grant again
             return None
         except Exception:
             return None
-        job = _Job(0)
-        job.started = job.finished = True
-        job.result = PollResult.done()
-        return job
+        return self._ended_job(PollResult.done())
 
     @staticmethod
-    def _failed_job(reason: str) -> _Job:
+    def _ended_job(result: PollResult) -> _Job:
+        """A job that ended on the posting thread (no part left for the copy threads)."""
         job = _Job(0)
         job.started = job.finished = True
-        job.result = PollResult.failed(reason, quiesced=True)
+        job.result = result
         return job
 
     def _split(self, req: PostRequest) -> list[slice | tuple[int, int, int]]:

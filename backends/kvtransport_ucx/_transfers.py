@@ -355,24 +355,23 @@ class DataPath:
         for x in list(conn.xfers):
             self.fail(x, reason)
 
-    def _destroyed(self) -> bool:
-        """The backend closed and destroyed its workers: every request of theirs is gone
-        (never to be checked or freed again) and nothing of any transfer can move."""
-        return self._lanes[0].worker is None
-
-    def _forget(self, x: Xfer) -> None:
-        if x.stage not in ("done", "failed"):
-            x.stage, x.reason = "failed", x.reason or "the agent was closed"
-        x.flush, x.am_req, x.am_bufs, x.posting = [], None, None, 0
-        self.active.discard(x)
-        x.conn.xfers.discard(x)
+    def forget_all(self) -> None:
+        """After the backend destroyed its workers (close, lock held): every request of theirs
+        is gone, never to be checked or freed again, and nothing of any transfer can move.
+        Every transfer holding a request is in ``active`` until the request is freed, so
+        emptying them here leaves nothing for poll/cancel/quiesced/release to touch."""
+        for x in list(self.active):
+            if x.stage not in ("done", "failed"):
+                x.stage, x.reason = "failed", x.reason or "the agent was closed"
+            x.flush, x.am_req, x.am_bufs, x.posting = [], None, None, 0
+            self.active.discard(x)
+            x.conn.xfers.discard(x)
+        self._sends = []
 
     def poll(self, x: Xfer) -> PollResult:
         with self._w.lock:
-            if self._destroyed():
-                self._forget(x)
-                return PollResult.done() if x.stage == "done" else PollResult.failed(x.reason, True)
-            self.advance(x)
+            if not self.closed:  # after close: absorbing endpoint errors would call into UCX
+                self.advance(x)
             if x.stage == "done":
                 return PollResult.done()
             if x.stage == "failed":
@@ -384,9 +383,6 @@ class DataPath:
         by one: we wait for the flush, and if it does not finish within ``cancel_grace_s``
         the endpoint is force-closed (reopened at the next post)."""
         with self._w.lock:
-            if self._destroyed():
-                self._forget(x)
-                return True
             self.fail(x, "cancelled")
             if x.quiesced:
                 self._release_flush(x)
@@ -398,17 +394,12 @@ class DataPath:
 
     def quiesced(self, x: Xfer) -> bool:
         with self._w.lock:
-            if self._destroyed():
-                self._forget(x)
-                return True
             self._check_flush(x)
             return x.quiesced
 
     def release(self, x: Xfer) -> None:
         with self._w.lock:
-            if self._destroyed():
-                self._forget(x)
-            elif x.stage in ("done", "failed") and x.quiesced:
+            if x.stage in ("done", "failed") and x.quiesced:
                 self._release_flush(x)
 
     def _check_flush(self, x: Xfer) -> None:

@@ -176,6 +176,8 @@ class UcxBackend(Backend):
             self._peers.release_closing()  # peers that never answered: release locally
             self._memory.unmap_all()
         self._w.close()
+        with self._w.lock:
+            self._data.forget_all()
 
     def describe(self) -> dict[str, Any]:
         lib = U.lib()

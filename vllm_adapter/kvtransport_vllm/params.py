@@ -131,7 +131,8 @@ def _integer(value: Any, low: int, high: int, what: str) -> int:
 
 def _check_text(text: str, what: str, request_id: str) -> None:
     try:
-        ok = 0 < len(text) <= 1024 and "\x00" not in text and bool(text.encode("utf-8"))
+        text.encode("utf-8")  # a lone surrogate cannot go on the wire
+        ok = 0 < len(text) <= 1024 and "\x00" not in text
     except UnicodeEncodeError:
         ok = False
     if not ok:

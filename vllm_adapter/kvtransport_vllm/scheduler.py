@@ -112,9 +112,7 @@ class KVTransportScheduler:
             if src is None and num_external_tokens > 0:
                 log.warning("kvtransport: %s: %s", type(found).__name__, found)
                 unhashed = [b.block_id for b in blocks.blocks[0] if b.block_hash is None and not b.is_null]
-                self._meta.recv.append(RecvJob(req_id=request.request_id, key="", mode=self.cfg.mode,
-                                               local_block_ids=unhashed, remote_block_ids=[], host="", port=0,
-                                               refused=str(found), created_at=time.time()))
+                self._fail_load(request, unhashed, str(found))
             return
         # Blocks cached locally (prefix hit) are counted in a full-attention group: a
         # sliding-window group's null blocks (out of its window) are not cached ones.
@@ -132,11 +130,11 @@ class KVTransportScheduler:
             if short:
                 # vLLM counts every announced token as loaded and may cache the blocks: a load
                 # that cannot fill them all must fail (load failure policy), never run short
-                self._refuse(request, src, unhashed,
-                             f"the producer sent {len(src.remote_block_groups[short[0]])} block ids (KV cache "
-                             f"group {short[0]}) for {n_local_cached * self.block_size + num_external_tokens} "
-                             f"tokens, which need {n_local_cached + need} blocks of {self.block_size}: "
-                             "remote_block_ids must list every block of the prefill")
+                self._fail_load(request, unhashed,
+                                f"the producer sent {len(src.remote_block_groups[short[0]])} block ids (KV cache "
+                                f"group {short[0]}) for {n_local_cached * self.block_size + num_external_tokens} "
+                                f"tokens, which need {n_local_cached + need} blocks of {self.block_size}: "
+                                "remote_block_ids must list every block of the prefill", release=src)
                 return
         if len(self.groups) > 1:
             # hybrid: every group's blocks from the first block not cached locally, paired
@@ -144,10 +142,10 @@ class KVTransportScheduler:
             per_group = [list(ids) for ids in blocks.get_block_ids()]
             if self.cfg.mode == "read" and len(src.remote_block_groups) != len(per_group):
                 # never pair one group's ids with another's: fail the load (load failure policy)
-                self._refuse(request, src, unhashed,
-                             f"the producer sent block ids for {len(src.remote_block_groups)} KV cache "
-                             f"group(s), this engine has {len(per_group)}: both engines must serve the "
-                             "same model with the same hybrid KV cache manager setting")
+                self._fail_load(request, unhashed,
+                                f"the producer sent block ids for {len(src.remote_block_groups)} KV cache "
+                                f"group(s), this engine has {len(per_group)}: both engines must serve the "
+                                "same model with the same hybrid KV cache manager setting", release=src)
                 return
             if self.cfg.mode == "read":
                 lo, re = pair_by_position(per_group, src.remote_block_groups, n_local_cached, self.groups)
@@ -175,11 +173,13 @@ class KVTransportScheduler:
             )
         )
 
-    def _refuse(self, request: Request, src: RemoteSource, unhashed: list[int], reason: str) -> None:
-        """Fail a load the params describe but that cannot be done right: the producer frees
-        its hold, the worker reports the blocks failed at once (vLLM's load failure policy)."""
-        self.loading.pop(request.request_id, None)
-        self._meta.notices.append(PeerNotice(src.key, src.peer.host, src.peer.port, "release", src.remote_tp))
+    def _fail_load(self, request: Request, unhashed: list[int], reason: str,
+                   release: RemoteSource | None = None) -> None:
+        """A load the params ask for that cannot be done (right): the worker reports its blocks
+        failed at once (vLLM's load failure policy); ``release``: its producer frees the hold."""
+        if release is not None:
+            self._meta.notices.append(PeerNotice(release.key, release.peer.host, release.peer.port, "release",
+                                                 release.remote_tp))
         self._meta.recv.append(RecvJob(req_id=request.request_id, key="", mode=self.cfg.mode,
                                        local_block_ids=unhashed, remote_block_ids=[], host="", port=0,
                                        refused=reason, created_at=time.time()))
