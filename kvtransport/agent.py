@@ -58,7 +58,7 @@ from .errors import (
 )
 from .faults import FaultInjectingBackend, FaultPlan, plan_from_options
 from .memory import MemoryRegion, RemoteMemoryRegion, describe_buffer
-from .registry import load_backend_class, probe_class
+from .registry import available_backends, backends_for_memory_kind, load_backend_class, probe_class
 from .segments import Segments, merge_pairs
 from .spi import Backend, LocalRegion, Op, PollState, PostRequest, RemoteRegion
 from .transfer import (DONE_STATUS, FinishedTransfers, PreparedTransfer, State, Transfer, TransferStatus,
@@ -161,6 +161,15 @@ class _RegionIndex:
     def addresses(self, region: np.ndarray, offset: np.ndarray) -> np.ndarray:
         """Absolute addresses of segments already checked by ``resolve``."""
         return self.addrs[np.searchsorted(self.ids, region)] + offset
+
+
+def _backends_accepting(kind: str, remote: bool) -> list[str]:
+    """Installed backends that declare ``kind`` for our own regions, or for a peer's
+    (``remote``); for the message of a refusal only (it probes every backend)."""
+    if not remote:
+        return backends_for_memory_kind(kind)
+    return [i.name if i.usable else f"{i.name} (not usable here)" for i in available_backends()
+            if i.capabilities is not None and kind in i.capabilities.remote_memory_kinds]
 
 
 def _distinct(ids: np.ndarray) -> np.ndarray:
@@ -274,19 +283,21 @@ class Agent:
             self._rebuild_local_index()
             return region
 
-    def _check_memory_kind(self, kind: str, where: str) -> None:
+    def _check_memory_kind(self, kind: str, where: str, remote: bool = False) -> None:
         """Refuse memory the backend does not declare, before the backend sees it.
 
         This is the one gate that keeps device memory away from CPU-only data paths (the
         loopback memmove and process_vm_* copies, numpy views): a backend is handed only
-        kinds it declared in ``capabilities.memory_kinds``, for its own regions and for
-        a peer's. The message names the installed backends that can move the kind."""
-        accepted = self._backend.capabilities.memory_kinds
+        kinds it declared, for its own regions (``capabilities.memory_kinds``) and for a
+        peer's (``capabilities.remote_memory_kinds``: a peer's device memory is the peer's
+        transport's business where the bytes cross through it, so a CPU-only agent on
+        ucx/nixl pairs with a GPU engine). The message names the installed backends that
+        can move the kind on that side."""
+        caps = self._backend.capabilities
+        accepted = caps.remote_memory_kinds if remote else caps.memory_kinds
         if kind in accepted:
             return
-        from .registry import backends_for_memory_kind  # error path only: probes every backend
-
-        others = [b for b in backends_for_memory_kind(kind) if b.split(" ")[0] != self.backend_name]
+        others = [b for b in _backends_accepting(kind, remote) if b.split(" ")[0] != self.backend_name]
         raise UnsupportedMemoryKindError(self.backend_name, kind, sorted(accepted), others, where)
 
     def deregister(self, region: MemoryRegion) -> None:
@@ -380,9 +391,9 @@ class Agent:
                 raise IncompatiblePeerError(
                     f"agent {self.name!r} cannot connect to itself; open a second agent"
                 )
-            for r in md.regions:  # a peer's device region must not reach a CPU-only backend
+            for r in md.regions:  # a peer's device region must not reach a CPU-only data path
                 try:
-                    self._check_memory_kind(r.kind, f"connect to peer {md.agent!r} exporting")
+                    self._check_memory_kind(r.kind, f"connect to peer {md.agent!r} exporting", remote=True)
                 except UnsupportedMemoryKindError:
                     self._stats["peers_refused"] += 1
                     raise

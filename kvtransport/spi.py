@@ -82,16 +82,34 @@ class Scope(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend can do; the core refuses what a backend does not declare."""
+    """What a backend can do; the core refuses what a backend does not declare.
+
+    Memory kinds are two capabilities, because the two sides of a transfer are two
+    questions. ``memory_kinds`` is what *this* agent can register (its own memory, which
+    its transport touches). ``remote_memory_kinds`` is what a peer may export for this
+    agent to read or write: a backend whose bytes cross through the peer's own transport
+    (UCX, NIXL, Mooncake: the peer's side handles its device memory) can pair a CPU-only
+    host with a GPU engine, while one that copies both sides on the CPU (loopback's
+    ``process_vm_*``/``memmove``) cannot take a peer's device memory at all. Left unset,
+    ``remote_memory_kinds`` is ``memory_kinds``: a backend that never thought about it
+    accepts no more from peers than it registers itself.
+    """
 
     read: bool = True
     write: bool = True
     notify: bool = True
-    #: Memory kinds accepted by ``register``: "cpu", "cuda", "rocm".
+    #: Memory kinds accepted by ``register`` (this agent's own memory): "cpu", "cuda", "rocm".
     memory_kinds: frozenset[str] = frozenset({"cpu"})
     scopes: frozenset[Scope] = frozenset({Scope.SAME_PROCESS, Scope.SAME_HOST})
     #: Whether the backend notices a dead peer by itself (transfers fail before the deadline).
     detects_peer_failure: bool = False
+    #: Memory kinds a connected peer's regions may be (refused at ``connect`` otherwise).
+    #: None (the default) means the same as ``memory_kinds``.
+    remote_memory_kinds: frozenset[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.remote_memory_kinds is None:
+            object.__setattr__(self, "remote_memory_kinds", self.memory_kinds)
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,8 @@ class LoopbackBackend(Backend):
     capabilities = Capabilities(
         read=True, write=True, notify=True, memory_kinds=frozenset({"cpu"}),
         scopes=frozenset({Scope.SAME_PROCESS, Scope.SAME_HOST}), detects_peer_failure=True,
+        # the CPU copies both sides (process_vm_*, memmove), so no peer's device memory
+        remote_memory_kinds=frozenset({"cpu"}),
     )
 
     @classmethod

@@ -73,6 +73,7 @@ class MoriioBackend(PeerManagement, DataPath, Backend):
         memory_kinds=frozenset({"cpu", "cuda", "rocm"}),
         scopes=frozenset({Scope.SAME_PROCESS, Scope.SAME_HOST, Scope.CROSS_HOST}),
         detects_peer_failure=True,
+        remote_memory_kinds=frozenset({"cpu", "cuda", "rocm"}),
     )
 
     # ------------------------------------------------------------------ probing

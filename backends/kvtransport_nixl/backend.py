@@ -88,6 +88,9 @@ class NixlBackend(Backend):
         memory_kinds=frozenset({"cpu", "cuda"}),
         scopes=frozenset({Scope.SAME_PROCESS, Scope.SAME_HOST, Scope.CROSS_HOST}),
         detects_peer_failure=True,
+        # A peer's VRAM is registered with the peer's NIXL and served by its plugin, so
+        # this stays {"cpu", "cuda"} when ``__init__`` narrows our own kinds to "cpu".
+        remote_memory_kinds=frozenset({"cpu", "cuda"}),
     )
     #: NIXL's UCX defaults (cma data + tcp, peer error handling); tcp only; shared memory
     #: without UCX peer-failure reports (dead peers found by pid liveness).
@@ -124,7 +127,8 @@ class NixlBackend(Backend):
         if not (all("VRAM_SEG" in s for s in mems) and _probe.has_gpu()):
             caps = self.capabilities  # no GPU here, or a plugin without VRAM: CPU memory only
             self.capabilities = Capabilities(caps.read, caps.write, caps.notify, frozenset({"cpu"}),
-                                             caps.scopes, caps.detects_peer_failure)
+                                             caps.scopes, caps.detects_peer_failure,
+                                             remote_memory_kinds=caps.remote_memory_kinds)
         self._ident = ProcessIdentity.current()
         self._regs: dict[int, Any] = {}
         self._kinds: dict[int, tuple[str, int]] = {}

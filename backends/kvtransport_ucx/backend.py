@@ -55,6 +55,9 @@ class UcxBackend(Backend):
         memory_kinds=frozenset({"cpu", "cuda", "rocm"}),
         scopes=frozenset({Scope.SAME_PROCESS, Scope.SAME_HOST, Scope.CROSS_HOST}),
         detects_peer_failure=True,
+        # a peer's memory type travels in its packed rkey and is the peer's UCX's to serve:
+        # a CPU-only agent may pair with a GPU engine
+        remote_memory_kinds=frozenset({"cpu", "cuda", "rocm"}),
     )
     #: tcp: cross-host path; shm: sysv/posix + cma without UCX peer-error handling (pid
     #: liveness instead); cma+tcp: cma data with UCX peer-error handling over tcp.
