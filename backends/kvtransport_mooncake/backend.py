@@ -9,6 +9,7 @@ own RPC port and is named by the session id ``host:port``), TCP or RDMA. The par
 * :mod:`.wire` — the agent blob (session id, scratch buffer, process identity), msgspec;
 * :mod:`.transfers` — chunked batch READ/WRITE, completion, quiescence, peer liveness;
 * :mod:`._abi` — the non-blocking batch status calls the Python binding lacks;
+* :mod:`.device` — whether the loaded engine registers GPU memory (its CUDA build), and where;
 * :mod:`.notify` — kvtransport notifications carried by Mooncake's own notifications.
 
 The core serialises every SPI call (agent lock); the notifier thread is the only other
@@ -42,6 +43,7 @@ from kvtransport.spi import (
     Scope,
 )
 
+from . import device as D
 from . import notify as N
 from . import probe as P
 from . import wire
@@ -56,11 +58,16 @@ class MooncakeBackend(Backend):
         read=True,
         write=True,
         notify=True,
-        memory_kinds=frozenset({"cpu"}),
+        # cuda with Mooncake's CUDA build; refused with the fix at register on another
+        # build (.device)
+        memory_kinds=frozenset({"cpu", "cuda"}),
         scopes=frozenset({Scope.SAME_PROCESS, Scope.SAME_HOST, Scope.CROSS_HOST}),
         # Same-host peers are watched by pid; a cross-host peer that vanishes without a TCP
         # reset is only caught by Mooncake's status timeout or the core's deadline.
         detects_peer_failure=False,
+        # A peer's device memory is its own engine's to move (GPUDirect RDMA on its NIC, or
+        # its TCP transport's cudaMemcpy): our engine only names the address, whatever its build.
+        remote_memory_kinds=frozenset({"cpu", "cuda"}),
     )
     conformance_options = ({"protocol": "tcp"},)
 
@@ -75,6 +82,8 @@ class MooncakeBackend(Backend):
         if not av.usable:
             raise BackendUnavailableError(self.name, av.reason, av.install_hint)
         self._me = P.load_engine_module()
+        #: whether this engine registers GPU memory (its own SUPPORT_CUDA flag)
+        self._cuda = D.supports_cuda(self._me)
         o = self.opts
         if o.protocol == "rdma" and not P.rdma_devices(self._me, o.device_name):
             raise BackendUnavailableError(
@@ -110,14 +119,21 @@ class MooncakeBackend(Backend):
     def register(self, region: LocalRegion) -> bytes:
         """Mooncake refuses a buffer overlapping one it has; a region lying inside an
         existing registration shares it (reference-counted), since Mooncake accepts any
-        address inside a registered buffer."""
+        address inside a registered buffer. GPU memory only with a CUDA build of the
+        engine (refused before the engine sees the address otherwise)."""
+        where = D.location(region.kind, region.device, self._cuda)
+        if where is None:
+            from kvtransport.registry import backends_for_memory_kind  # error path only: probes every backend
+
+            others = [b for b in backends_for_memory_kind(region.kind) if b.split(" ")[0] != self.name]
+            raise D.MooncakeMemoryKindUnavailable(region.kind, self._cuda, D.installed_distribution(), others)
         end = region.addr + region.length
         for base, (length, users) in self._mc_buffers.items():
             if base <= region.addr and end <= base + length:
                 users.add(region.id)
                 self._region_buffer[region.id] = base
                 return b""
-        rc = self._engine.register_memory(region.addr, region.length)
+        rc = self._engine.register_memory(region.addr, region.length, where)
         if rc != 0:
             raise InvalidSegmentsError(
                 f"Mooncake refused to register {region.length} bytes at {region.addr:#x} (rc={rc}): "
@@ -208,4 +224,5 @@ class MooncakeBackend(Backend):
     def describe(self) -> dict[str, Any]:
         return {"transport": f"mooncake-{self.opts.protocol}", "session": self.session,
                 "hostname": self.opts.hostname, "device_name": self.opts.device_name,
+                "cuda_build": self._cuda,
                 "peers": sorted(self._by_name), "notification_refusals": self._inbox.refusals}

@@ -34,12 +34,22 @@ from kvtransport_vllm.worker import KVTransportWorker  # noqa: E402
 # Declared memory kinds of every shipped backend class (issue 16, point 2): what each can move
 # on a suitable host. An agent may narrow it to what this host offers (nixl without a GPU:
 # cpu only), or refuse with the reason at register (ucx whose UCX lacks CUDA / ROCm
-# transports): tests/gpu/test_device_memory_types.py.
+# transports, mooncake whose engine is not a CUDA build): tests/gpu/test_device_memory_types.py,
+# tests/mooncake/test_mooncake_device_memory.py.
 EXPECTED_KINDS = {
     "loopback": {"cpu"},
     "ucx": {"cpu", "cuda", "rocm"},
     "nixl": {"cpu", "cuda"},
-    "mooncake": {"cpu"},
+    "mooncake": {"cpu", "cuda"},
+    "moriio": {"cpu", "cuda", "rocm"},
+}
+# What a peer may export to each (tests/core/test_memory_capabilities.py): loopback copies both
+# sides on the CPU; the others reach a peer's memory through the peer's own registration.
+EXPECTED_REMOTE_KINDS = {
+    "loopback": {"cpu"},
+    "ucx": {"cpu", "cuda", "rocm"},
+    "nixl": {"cpu", "cuda"},
+    "mooncake": {"cpu", "cuda"},
     "moriio": {"cpu", "cuda", "rocm"},
 }
 NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM = 8, 4, 2, 16
@@ -146,6 +156,8 @@ def test_connector_on_a_cpu_only_backend_refuses_gpu_caches_naming_alternatives(
 def test_declared_memory_kinds_of_every_shipped_backend():
     declared = {n: set(load_backend_class(n).capabilities.memory_kinds) for n in EXPECTED_KINDS}
     assert declared == EXPECTED_KINDS
+    remote = {n: set(load_backend_class(n).capabilities.remote_memory_kinds) for n in EXPECTED_REMOTE_KINDS}
+    assert remote == EXPECTED_REMOTE_KINDS
 
 
 @pytest.mark.parametrize("name", ["loopback", "ucx", "nixl", "mooncake"])
