@@ -5,18 +5,22 @@ Device memory: a ``cuda`` region is mapped as ``UCS_MEMORY_TYPE_CUDA`` and a ``r
 as ``UCS_MEMORY_TYPE_ROCM``, and every put/get on it carries that memory type, so UCX
 moves it with its device transports (cuda_copy, cuda_ipc, GPUDirect RDMA / rocm_copy,
 rocm_ipc) and never treats it as host memory. Whether the loaded UCX can is asked of the
-context (``ucp_context_query``, ``memory_types``): UCX only loads its CUDA modules where
-the CUDA driver is present, so a kind the context lacks is refused at ``register``, before
-``ucp_mem_map`` sees the address, with the reason and the alternatives. The backend has no
-CPU data path of its own (no memmove, no numpy view of registered memory): bytes only move
-inside UCX.
+context (``ucp_context_query``, ``memory_types``), and a kind the context lacks is refused
+at ``register``, before ``ucp_mem_map`` sees the address, with the reason and the fix. There
+are two reasons, told apart by asking UCX (:func:`device_kinds_here`): UCX loads its CUDA
+modules only where the CUDA driver is present, and it closes every memory domain none of
+whose transports the transport list selects, so a context whose list leaves out the device
+transports (``UCX_TLS=tcp``) reports no CUDA even on a GPU host. The backend has no CPU data
+path of its own (no memmove, no numpy view of registered memory): bytes only move inside UCX.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 from ctypes import byref, c_size_t, c_void_p
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,6 +29,7 @@ from kvtransport.errors import UnsupportedMemoryKindError
 from kvtransport.spi import LocalRegion
 
 from . import _ucp as U
+from ._options import DEVICE_TLS_ALIAS
 from ._worker import UcpWorker
 
 
@@ -43,12 +48,60 @@ _HOW = {
 class UcxMemoryKindUnavailable(UnsupportedMemoryKindError):
     """The ucx backend can move this kind on suitable hosts, but the UCX loaded here cannot."""
 
-    def __init__(self, kind: str, context_types: list[str], alternatives: list[str]) -> None:
+    def __init__(self, kind: str, context_types: list[str], alternatives: list[str],
+                 why: str | None = None) -> None:
         super().__init__("ucx", kind, [k for k, t in MEMORY_TYPES.items()
                                        if U.UCS_MEMORY_TYPE_NAMES[t] in context_types], alternatives)
         self.args = (f"{self.args[0]}. Why: this UCX context moves only {context_types} memory; "
-                     f"{_HOW.get(kind, '')}. Or keep the KV cache on the device and stage it through host "
-                     "memory (vLLM connector: kv_buffer_device 'cpu').",)
+                     f"{why or _HOW.get(kind, '')}. Or keep the KV cache on the device and stage it through "
+                     "host memory (vLLM connector: kv_buffer_device 'cpu').",)
+
+
+class UcxDeviceTransportsExcluded(UcxMemoryKindUnavailable):
+    """The UCX loaded here moves this kind on this host, but this agent's transport list
+    leaves out the transports that do (UCX then closes their memory domain)."""
+
+    def __init__(self, kind: str, context_types: list[str], alternatives: list[str]) -> None:
+        alias = DEVICE_TLS_ALIAS.get(kind, kind)
+        super().__init__(kind, context_types, alternatives, why=(
+            f"the UCX loaded here has its {kind} transports on this host (UCX_TLS alias '{alias}'), but this "
+            f"agent's transport list leaves them out, and UCX closes the {kind} memory domain then. Fix: open "
+            f"the agent with device_memory='{kind}' (adds '{alias}' to the ucx option tls), or add '{alias}' "
+            f"yourself (tls='tcp,{alias}'; in the environment UCX_TLS=tcp,{alias}), or drop the list "
+            "(UCX's default uses every transport)"))
+
+
+@functools.cache
+def device_kinds_here() -> frozenset[str]:
+    """The device memory kinds the loaded UCX can move on this host when its device
+    transports are selected: the memory types of a throw-away context whose transport list
+    is ``self`` plus the device aliases (about a millisecond, once per process).
+
+    This is what tells "no CUDA driver / no CUDA module" from "the transport list leaves
+    the CUDA transports out"; ``WARN_INVALID_CONFIG=n`` keeps UCX from warning about the
+    aliases a GPU-less host lacks. Empty when UCX refuses the context."""
+    ucp = U.lib().ucp
+    cfg = c_void_p()
+    if ucp.ucp_config_read(None, None, byref(cfg)) != U.UCS_OK:
+        return frozenset()
+    try:
+        for key, value in (("TLS", ",".join(["self", *DEVICE_TLS_ALIAS.values()])),
+                           ("WARN_INVALID_CONFIG", "n")):
+            if ucp.ucp_config_modify(cfg, key.encode(), value.encode()) != U.UCS_OK:
+                return frozenset()
+        params = U.ucp_params_t()
+        params.field_mask = U.UCP_PARAM_FIELD_FEATURES
+        params.features = U.UCP_FEATURE_RMA
+        ctx = c_void_p()
+        if ucp.ucp_init_version(U.UCP_API_MAJOR, U.UCP_API_MINOR, byref(params), cfg, byref(ctx)) != U.UCS_OK:
+            return frozenset()
+    finally:
+        ucp.ucp_config_release(cfg)
+    try:
+        mask = context_memory_types(ucp, ctx)
+    finally:
+        ucp.ucp_cleanup(ctx)
+    return frozenset(k for k in DEVICE_TLS_ALIAS if mask & (1 << MEMORY_TYPES[k]))
 
 
 def context_memory_types(ucp: Any, context: Any) -> int:
@@ -66,8 +119,12 @@ def type_names(mask: int) -> list[str]:
 class LocalMemory:
     """Memory handles of our registered regions (state lock held for every change)."""
 
-    def __init__(self, w: UcpWorker) -> None:
+    def __init__(self, w: UcpWorker,
+                 kinds_here: Callable[[], frozenset[str]] = device_kinds_here) -> None:
+        """``kinds_here``: the device kinds this UCX moves on this host with its device
+        transports selected (asked only to explain a refusal)."""
         self._w = w
+        self._kinds_here = kinds_here
         self._ucp = w.ucp
         self._memh: dict[int, int] = {}
         #: Per region: operation parameters carrying its memory handle, so UCX skips the
@@ -91,7 +148,8 @@ class LocalMemory:
             from kvtransport.registry import backends_for_memory_kind  # error path only
 
             others = [b for b in backends_for_memory_kind(region.kind) if b.split(" ")[0] != "ucx"]
-            raise UcxMemoryKindUnavailable(region.kind, type_names(self._context_types), others)
+            error = UcxDeviceTransportsExcluded if region.kind in self._kinds_here() else UcxMemoryKindUnavailable
+            raise error(region.kind, type_names(self._context_types), others)
         return mtype
 
     def register(self, region: LocalRegion) -> bytes:

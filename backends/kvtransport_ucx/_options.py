@@ -2,12 +2,24 @@
 
 The transport list is applied per UCP context with ``ucp_config_modify`` (not through the
 process environment), so two agents in one process may use different transports.
+
+Device memory and the transport list: UCX closes every memory domain that none of the
+selected transports belongs to, so a list without UCX's device transports (``tcp``, ``shm``,
+``cma,tcp``) gives a context that does not know CUDA memory, and ``register`` of a GPU cache
+fails. ``device_memory`` adds them (:func:`with_device_transports`): ``"cuda"`` / ``"rocm"``
+always (the agent will register that kind), ``"auto"`` (default) where the loaded UCX moves
+that kind on this host, ``"none"`` never. They are UCX's own alias: ``cuda`` = cuda_copy
+(recognises CUDA memory and stages it through host buffers for transports that cannot reach
+the GPU, such as tcp), cuda_ipc (GPU to GPU on one host) and gdr_copy (GDRCopy, where its
+driver is loaded; the libucx-cu12 wheel has no such module, and the alias, unlike the
+transport name, draws no "not available" warning for it).
 """
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,13 +56,87 @@ DEFAULT_UCX_CONFIG = {"RNDV_THRESH": "inf"}
 #: either one drops both of ours.
 _TCP_SEGMENTS = {"TCP_TX_SEG_SIZE": "1m", "TCP_RX_SEG_SIZE": "1m"}
 OPTIONAL_UCX_CONFIG = {"CMA_TX_QUOTA": "16", **_TCP_SEGMENTS}
+#: Device memory kind -> UCX's ``UCX_TLS`` alias for its transports, and the one transport
+#: without which UCX does not recognise that memory at all (``ucp_context.c`` alias table).
+DEVICE_TLS_ALIAS = {"cuda": "cuda", "rocm": "rocm"}
+_DEVICE_COPY_TL = {"cuda": "cuda_copy", "rocm": "rocm_copy"}
+DEVICE_MEMORY = ("auto", "none", *DEVICE_TLS_ALIAS)
 #: Transports that cannot report a dead peer (no UCP_ERR_HANDLING_MODE_PEER support).
 _NO_PEER_FAILURE = {"sm", "shm", "sysv", "posix", "mm", "self", "knem", "xpmem"}
 _TLS_RE = re.compile(r"^\^?[a-z0-9_]+(,[a-z0-9_]+)*$")
 _KEY_RE = re.compile(r"^[A-Z0-9_]+$")
 
 KNOWN = ("tls", "err_mode", "net_devices", "progress", "ucx_config", "liveness_interval_s",
-         "cancel_grace_s", "inline_progress_s", "lanes", "lane_split_bytes", "post")
+         "cancel_grace_s", "inline_progress_s", "lanes", "lane_split_bytes", "post", "device_memory")
+
+
+class DeviceTransportsExcluded(ValueError):
+    """A transport list that explicitly denies a device kind's transports."""
+
+
+def with_device_transports(tls: str, kind: str) -> str:
+    """``tls`` (a ``UCX_TLS`` value) with the transports of device memory ``kind`` added.
+
+    An allow list naming neither the kind's alias nor its copy transport gets the alias
+    appended (``tcp`` -> ``tcp,cuda``); ``all``, a list that names them, or a deny list that
+    does not deny them are returned unchanged. A deny list that denies them
+    (``^cuda``, ``^cuda_copy``) raises :class:`DeviceTransportsExcluded`: it is the user's
+    explicit choice, and only they can take it back."""
+    alias, copy_tl = DEVICE_TLS_ALIAS[kind], _DEVICE_COPY_TL[kind]
+    names = set(tls.lstrip("^").split(","))
+    if tls.startswith("^"):
+        if names & {alias, copy_tl}:
+            raise DeviceTransportsExcluded(f"{tls!r} denies {sorted(names & {alias, copy_tl})}, without which UCX "
+                                           f"does not recognise {kind} memory")
+        return tls
+    if tls == "all" or names & {alias, copy_tl}:
+        return tls
+    return f"{tls},{alias}"
+
+
+def device_tls(tls: str | None, setting: str, device_memory: str, environ: Mapping[str, str],
+               kinds_here: Callable[[], frozenset[str]], backend: str = "ucx") -> str | None:
+    """The transport list to hand to UCX for ``device_memory`` (see the module docstring);
+    the ``nixl`` backend resolves its UCX plugin's list with it too.
+
+    ``tls`` is the explicit list (``setting`` names the option it came from), None when UCX
+    reads ``UCX_TLS`` from ``environ`` (or uses its default). A user's ``UCX_TLS`` is not
+    rewritten: with an explicit ``device_memory`` kind, one that leaves the kind out is refused
+    naming it; with ``auto``, ``register`` explains the refusal if device memory comes."""
+    def _err(msg: str) -> BackendOptionError:
+        return BackendOptionError(f"{backend} backend: {msg}")
+
+    if device_memory == "none":
+        return tls
+    if device_memory == "auto":
+        explicit = tls is not None and tls != "all" and not tls.startswith("^")
+        kinds = [k for k in DEVICE_TLS_ALIAS if k in kinds_here()] if explicit else []
+    else:
+        kinds = [device_memory]
+    for kind in kinds:
+        alias = DEVICE_TLS_ALIAS[kind]
+        if tls is None:
+            env = environ.get("UCX_TLS")
+            if not env:
+                continue
+            try:
+                fixed = with_device_transports(env, kind)
+            except DeviceTransportsExcluded:
+                fixed = None
+            if fixed != env:
+                fix = f"UCX_TLS={fixed}" if fixed else f"take '{alias}' and {_DEVICE_COPY_TL[kind]} out of UCX_TLS"
+                raise _err(f"device_memory={device_memory!r} needs UCX's {kind} transports (UCX_TLS alias "
+                           f"'{alias}': without {_DEVICE_COPY_TL[kind]} UCX does not recognise {kind} memory), but "
+                           f"the environment's UCX_TLS={env!r} leaves them out. Fix: {fix}, or unset UCX_TLS, or "
+                           f"give the {backend} option tls (e.g. tls='tcp'), to which device_memory adds them")
+            continue
+        try:
+            tls = with_device_transports(tls, kind)
+        except DeviceTransportsExcluded as why:
+            raise _err(f"device_memory={device_memory!r} needs UCX's {kind} transports, but {setting} {why}. "
+                       f"Fix: remove them from the deny list, or use device_memory='none' and keep {kind} "
+                       "memory out of this agent") from None
+    return tls
 
 
 @dataclass(frozen=True)
@@ -72,6 +158,9 @@ class UcxOptions:
     #: Resolved posting path: "native" (one call into the compiled _post.c per lane and
     #: transfer) or "ctypes" (one ctypes call per segment); see _native.py.
     post: str = "ctypes"
+    #: The ``device_memory`` option as given ("auto", "none", "cuda", "rocm"); ``tls``
+    #: already holds the device transports it added.
+    device_memory: str = "auto"
 
     def may_use_cma(self) -> bool:
         """Whether same-host peers may be reached with cma (the UCX default, ``all``, or a
@@ -113,7 +202,13 @@ def _err(msg: str) -> BackendOptionError:
     return BackendOptionError(f"ucx backend: {msg}")
 
 
-def parse_options(options: Mapping[str, Any]) -> UcxOptions:
+def parse_options(options: Mapping[str, Any], environ: Mapping[str, str] = os.environ,
+                  kinds_here: Callable[[], frozenset[str]] | None = None) -> UcxOptions:
+    """Check the caller's options and resolve the transport list.
+
+    ``environ`` is where UCX will read ``UCX_TLS`` from; ``kinds_here`` answers which device
+    kinds the loaded UCX moves on this host (default: ask UCX, :func:`_memory.device_kinds_here`;
+    only asked for ``device_memory='auto'`` with an explicit allow list)."""
     unknown = sorted(set(options) - set(KNOWN))
     if unknown:
         raise _err(f"unknown option(s) {unknown}; known options are {list(KNOWN)}")
@@ -169,4 +264,14 @@ def parse_options(options: Mapping[str, Any]) -> UcxOptions:
     if split is not None and (isinstance(split, bool) or not isinstance(split, int) or split < 0):
         raise _err(f"lane_split_bytes must be a non-negative integer, got {split!r}")
     post = _native.resolve(options.get("post"))
-    return UcxOptions(tls, err_mode, net, progress, extra_s, live, grace, inline, lanes, split, post)
+    device = options.get("device_memory", "auto")
+    if device not in DEVICE_MEMORY:
+        raise _err(f"device_memory must be one of {list(DEVICE_MEMORY)} (the device memory this agent will "
+                   f"register: its UCX transports are added to an explicit tls list), got {device!r}")
+    if kinds_here is None:
+        from ._memory import device_kinds_here as kinds_here  # loads libucp: only when needed
+    if tls is not None or "TLS" not in extra_s:
+        tls = device_tls(tls, "tls", device, environ, kinds_here)
+    else:  # the list came in ucx_config: add to it there
+        extra_s["TLS"] = device_tls(extra_s["TLS"], "ucx_config TLS", device, environ, kinds_here)
+    return UcxOptions(tls, err_mode, net, progress, extra_s, live, grace, inline, lanes, split, post, device)

@@ -72,12 +72,14 @@ class FakeWorker:
         self.ucp, self.context, self.lock = ucp, ctypes.c_void_p(1), threading.RLock()
 
 
-def _fake_local_memory(types: int):
+def _fake_local_memory(types: int, kinds_here: frozenset[str] = frozenset()):
+    """``kinds_here``: the device kinds the (real) UCX would move here with its device
+    transports selected; empty = a GPU-less host."""
     from kvtransport_ucx import _memory, _ucp as U
 
     U.lib()  # status strings for errors
     ucp = FakeLibucp(types)
-    return _memory.LocalMemory(FakeWorker(ucp)), ucp, U
+    return _memory.LocalMemory(FakeWorker(ucp), kinds_here=lambda: kinds_here), ucp, U
 
 
 def test_ucx_maps_each_kind_with_its_ucs_memory_type_fake_libucp():
@@ -117,6 +119,32 @@ def test_ucx_refuses_a_kind_its_context_lacks_before_mapping_fake_libucp():
         assert isinstance(ei.value, errors.UnsupportedMemoryKindError)
         assert f"'ucx' cannot register {kind!r}" in str(ei.value) and "['host']" in str(ei.value)
     assert ucp.mapped == [] and mem.rparams == {}  # nothing reached ucp_mem_map
+
+
+def test_ucx_refusal_names_the_transport_list_when_ucx_has_cuda_here_fake_libucp():
+    """A context without CUDA on a host whose UCX moves CUDA (a GPU host, tls='tcp'): the
+    refusal blames the transport list and names the fix, not the driver."""
+    pytest.importorskip("kvtransport_ucx")
+    from kvtransport_ucx._memory import UcxDeviceTransportsExcluded, UcxMemoryKindUnavailable
+
+    mem, ucp, _ = _fake_local_memory(1, kinds_here=frozenset({"cuda"}))
+    with pytest.raises(UcxDeviceTransportsExcluded) as ei:
+        mem.register(LocalRegion(5, UNMAPPED, 4096, "cuda", 0))
+    msg = str(ei.value)
+    assert isinstance(ei.value, errors.UnsupportedMemoryKindError)
+    assert "leaves them out" in msg and "device_memory='cuda'" in msg, msg
+    assert "tls='tcp,cuda'" in msg and "UCX_TLS=tcp,cuda" in msg and "CUDA driver" not in msg, msg
+    # rocm is not among the kinds this UCX moves here: that refusal is about the build
+    with pytest.raises(UcxMemoryKindUnavailable) as ei:
+        mem.register(LocalRegion(6, UNMAPPED, 4096, "rocm", 0))
+    assert not isinstance(ei.value, UcxDeviceTransportsExcluded) and "--with-rocm" in str(ei.value)
+    # a GPU-less host: the driver, not the list
+    mem, ucp, _ = _fake_local_memory(1, kinds_here=frozenset())
+    with pytest.raises(UcxMemoryKindUnavailable) as ei:
+        mem.register(LocalRegion(5, UNMAPPED, 4096, "cuda", 0))
+    assert not isinstance(ei.value, UcxDeviceTransportsExcluded)
+    assert "CUDA driver" in str(ei.value) and "leaves them out" not in str(ei.value)
+    assert ucp.mapped == []
 
 
 def test_ucx_declares_device_kinds_and_the_real_context_here_refuses_them_with_reasons():
