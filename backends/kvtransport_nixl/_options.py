@@ -6,16 +6,27 @@ count), each plugin's init parameters (``create_backend(name, params)``: for UCX
 ``UCX_*`` environment read when the plugin creates its UCP context. The first two are
 checked here by type; plugin names and parameter names are checked against what the
 installed NIXL reports (``_probe.plugin_info``) when the agent is created.
+
+Device memory: NIXL's UCX plugin registers VRAM in a UCP context, and UCX closes the CUDA
+memory domain when the transport list leaves out its cuda transports (``UCX_TLS=tcp``), so
+``device_memory`` adds UCX's ``cuda`` alias to an explicit list exactly as the ``ucx``
+backend does (``kvtransport_ucx._options.device_tls``): ``"auto"`` (default) where this host
+has an NVIDIA GPU (the condition under which the agent offers VRAM), ``"cuda"`` always,
+``"none"`` never.
 """
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtransport.errors import BackendOptionError
+from kvtransport_ucx._options import device_tls
+
+from . import _probe
 
 #: Friendly names for ``tls`` (same as the ``ucx`` backend's); anything else goes to UCX_TLS.
 TLS_ALIASES = {
@@ -30,7 +41,14 @@ _TLS_RE = re.compile(r"^\^?[a-z0-9_]+(,[a-z0-9_]+)*$")
 _KEY_RE = re.compile(r"^[A-Z0-9_]+$")
 
 KNOWN = ("backends", "progress_thread", "num_threads", "plugin_params", "tls", "ucx_config",
-         "liveness_interval_s", "inline_post_bytes", "close_grace_s")
+         "liveness_interval_s", "inline_post_bytes", "close_grace_s", "device_memory")
+#: ``device_memory`` values: NIXL moves CUDA device memory (VRAM) only.
+DEVICE_MEMORY = ("auto", "none", "cuda")
+
+
+def gpu_kinds_here() -> frozenset[str]:
+    """Device kinds this host has: cuda where an NVIDIA GPU is found (``_probe.has_gpu``)."""
+    return frozenset({"cuda"}) if _probe.has_gpu() else frozenset()
 
 
 @dataclass(frozen=True)
@@ -52,6 +70,8 @@ class NixlOptions:
     inline_post_bytes: int = 16 << 20
     #: How long ``close`` waits for in-flight transfers to end before destroying the agent.
     close_grace_s: float = 2.0
+    #: The ``device_memory`` option as given; ``ucx_env["TLS"]`` already holds what it added.
+    device_memory: str = "auto"
 
     def params_for(self, plugin: str) -> dict[str, str]:
         return dict(self.plugin_params.get(plugin, {}))
@@ -68,8 +88,12 @@ def _number(options: Mapping[str, Any], key: str, default: float, ok) -> float:
     return float(v)
 
 
-def parse_options(options: Mapping[str, Any]) -> NixlOptions:
-    """Type-check the caller's options; unknown keys are refused, naming the known ones."""
+def parse_options(options: Mapping[str, Any], environ: Mapping[str, str] = os.environ,
+                  kinds_here: Callable[[], frozenset[str]] = gpu_kinds_here) -> NixlOptions:
+    """Type-check the caller's options; unknown keys are refused, naming the known ones.
+
+    ``environ`` is where NIXL's UCX reads ``UCX_TLS`` from when no list is given;
+    ``kinds_here`` answers which device kinds this host has (``device_memory='auto'``)."""
     unknown = sorted(set(options) - set(KNOWN))
     if unknown:
         raise _err(f"unknown option(s) {unknown}; known options are {list(KNOWN)}")
@@ -102,12 +126,20 @@ def parse_options(options: Mapping[str, Any]) -> NixlOptions:
             # These transports cannot report a dead peer; the UCX plugin refuses its default
             # "peer" error handling on them. Same-host peers are watched by pid instead.
             pp.setdefault("UCX", {}).setdefault("ucx_error_handling_mode", "none")
+    device = options.get("device_memory", "auto")
+    if device not in DEVICE_MEMORY:
+        raise _err(f"device_memory must be one of {list(DEVICE_MEMORY)} (the device memory this agent will "
+                   f"register: UCX's cuda transports are added to an explicit tls list), got {device!r}")
+    if "UCX" in backends:  # after the error-mode choice above: cuda transports report no peer failure
+        tls = device_tls(env.get("TLS"), "tls", device, environ, kinds_here, backend="nixl")
+        if tls is not None:
+            env["TLS"] = tls
     live = _number(options, "liveness_interval_s", 0.2, lambda v: v > 0)
     grace = _number(options, "close_grace_s", 2.0, lambda v: v >= 0)
     inline = options.get("inline_post_bytes", 16 << 20)
     if isinstance(inline, bool) or not isinstance(inline, int) or inline < 0:
         raise _err(f"inline_post_bytes must be a non-negative integer, got {inline!r}")
-    return NixlOptions(tuple(backends), pt, nt, pp, env, live, inline, grace)
+    return NixlOptions(tuple(backends), pt, nt, pp, env, live, inline, grace, device)
 
 
 def _ucx_env(options: Mapping[str, Any]) -> dict[str, str]:

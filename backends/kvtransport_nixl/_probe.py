@@ -11,11 +11,14 @@ created once per process, without a progress thread.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib
 import logging
 import os
+import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -140,6 +143,56 @@ def probe() -> Availability:
     return Availability(True)
 
 
-def has_gpu() -> bool:
-    """Whether an NVIDIA GPU device node exists (VRAM registration is only offered then)."""
-    return os.path.exists("/dev/nvidiactl") and os.path.exists("/dev/nvidia0")
+#: NVIDIA GPU device nodes: ``/dev/nvidia<N>`` (not nvidiactl, nvidia-uvm, nvidia-modeset).
+_GPU_NODE = re.compile(r"nvidia[0-9]+")
+_CUDA_SUCCESS = 0
+_NVML_SUCCESS = 0
+
+
+def load_library(name: str) -> Any | None:
+    """The shared library ``name`` through ctypes, or None where it is not installed."""
+    try:
+        return ctypes.CDLL(name)
+    except OSError:
+        return None
+
+
+def gpu_count(dev_dir: str = "/dev", load: Callable[[str], Any | None] = load_library) -> int:
+    """How many NVIDIA GPUs this process can see (VRAM registration is offered only then).
+
+    Asked in this order, each where it answers:
+
+    1. the CUDA driver (``libcuda.so.1``), if CUDA is already initialised in this process
+       (``cuDeviceGetCount`` succeeds; it honours ``CUDA_VISIBLE_DEVICES``). We never call
+       ``cuInit`` ourselves: initialising CUDA is process-wide, and a process that forks
+       workers after it (vLLM's fork start method) leaves them unable to use CUDA;
+    2. NVML (``libnvidia-ml.so.1``): ``nvmlInit_v2`` / ``nvmlDeviceGetCount_v2``, the devices
+       this container was given, without touching CUDA;
+    3. the device nodes ``dev_dir/nvidia<N>``, any N: a container keeps the physical number,
+       so a pod given GPU 3 sees only ``/dev/nvidia3``.
+
+    ``dev_dir`` and ``load`` (name -> ctypes library or None) are where the answers come
+    from; a caller passes others to ask about another machine's listing."""
+    cuda = load("libcuda.so.1")
+    if cuda is not None:
+        n = ctypes.c_int(0)
+        if cuda.cuDeviceGetCount(ctypes.byref(n)) == _CUDA_SUCCESS:
+            return n.value
+    nvml = load("libnvidia-ml.so.1")
+    if nvml is not None and nvml.nvmlInit_v2() == _NVML_SUCCESS:
+        try:
+            n = ctypes.c_uint(0)
+            if nvml.nvmlDeviceGetCount_v2(ctypes.byref(n)) == _NVML_SUCCESS:
+                return n.value
+        finally:
+            nvml.nvmlShutdown()
+    try:
+        return sum(1 for e in os.scandir(dev_dir) if _GPU_NODE.fullmatch(e.name))
+    except OSError:
+        return 0
+
+
+def has_gpu(dev_dir: str = "/dev", load: Callable[[str], Any | None] = load_library) -> bool:
+    """Whether this process can see an NVIDIA GPU (:func:`gpu_count`); NIXL's VRAM is
+    offered only then."""
+    return gpu_count(dev_dir, load) > 0
