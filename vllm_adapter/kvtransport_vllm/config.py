@@ -18,7 +18,7 @@ from kvtransport.auth import AUTH_OFF, AuthConfigError, Authenticator, load_secr
 from .spin_yield import SPIN_YIELD_MODES
 
 __all__ = ["ConnectorConfig", "ConnectorConfigError", "EXTRA_CONFIG_KEYS", "AUTH_CHANNEL", "routable_host",
-           "data_parallel_rank", "rank_port"]
+           "data_parallel_rank", "rank_port", "check_parallel_layout"]
 
 #: Channel name bound into every side-channel MAC (a sealed message of another
 #: kvtransport channel, e.g. the bench job, is refused here).
@@ -48,9 +48,10 @@ EXTRA_CONFIG_KEYS: dict[str, str] = {
     "gil_switch_interval_s": "Python thread switch interval set in each worker process running the connector "
     "(default 0.0005; 0 leaves Python's 5 ms): the side-channel and copy threads wait at most this long for "
     "the GIL held by vLLM's busy worker loop",
-    "vllm_spin_yield": "sched_yield (default: vLLM's own) or sleep: how vLLM's busy-wait loops yield in the "
-    "processes running the connector; sleep (time.sleep(0)) keeps the side-channel thread served when more "
-    "engine processes spin than there are cores (docs/VLLM.md, Busy-wait yield)",
+    "vllm_spin_yield": "auto (default), sleep or sched_yield: how vLLM's busy-wait loops yield in the processes "
+    "running the connector; auto uses sleep (time.sleep(0), keeps the side-channel thread served) while more vLLM "
+    "worker processes share this process's CPUs than there are CPUs, else sched_yield (vLLM's own) "
+    "(docs/VLLM.md, Busy-wait yield)",
     "kv_buffer_device": "auto (default: the transport moves the KV cache where it lives) or cpu (host staging: "
     "device blocks are copied through pinned host buffers, for transports without device memory support)",
 }
@@ -153,8 +154,8 @@ class ConnectorConfig:
     kv_buffer_device: str = "auto"
     #: sys.setswitchinterval() in the worker process; 0: leave Python's default
     gil_switch_interval_s: float = 0.0005
-    #: how vLLM's busy-wait loops yield in our processes (spin_yield.py): "sleep" or "sched_yield"
-    vllm_spin_yield: str = "sched_yield"
+    #: how vLLM's busy-wait loops yield in our processes (spin_yield.py): "auto", "sleep" or "sched_yield"
+    vllm_spin_yield: str = "auto"
     #: True when side_channel_host was chosen by this module (default route or
     #: loopback-only host), False when given (extra config or VLLM_HOST_IP)
     side_channel_host_auto: bool = False
@@ -247,10 +248,10 @@ class ConnectorConfig:
             raise ConnectorConfigError(
                 f"KVTransportConnector: kv_buffer_device must be 'auto' or 'cpu', got {extra.get('kv_buffer_device')!r}"
             )
-        spin_yield = extra.get("vllm_spin_yield", "sched_yield")
+        spin_yield = extra.get("vllm_spin_yield", "auto")
         if spin_yield not in SPIN_YIELD_MODES:
             raise ConnectorConfigError(
-                f"KVTransportConnector: vllm_spin_yield must be 'sleep' or 'sched_yield', got {spin_yield!r}")
+                f"KVTransportConnector: vllm_spin_yield must be 'auto', 'sleep' or 'sched_yield', got {spin_yield!r}")
         given = extra.get("side_channel_host")
         if given is not None and not isinstance(given, str):
             raise ConnectorConfigError(
@@ -279,8 +280,40 @@ class ConnectorConfig:
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:
+        """The settings of ``vllm_config``'s ``kv_transfer_config``; an engine layout the
+        connector cannot serve (:func:`check_parallel_layout`) is refused first."""
+        check_parallel_layout(vllm_config)
         ktc = vllm_config.kv_transfer_config
         return cls.from_extra(ktc.kv_role, ktc.engine_id, ktc.kv_connector_extra_config)
+
+
+#: Parallel settings the connector cannot serve: (ParallelConfig field, command-line flag, why).
+_UNSUPPORTED_PARALLEL = (
+    ("pipeline_parallel_size", "--pipeline-parallel-size",
+     "each pipeline stage holds the KV cache of its own layers, but side-channel ports, hand-shakes and block "
+     "layouts are per tensor-parallel rank only (two stages would claim the same port and describe half the layers "
+     "each)"),
+    ("decode_context_parallel_size", "--decode-context-parallel-size",
+     "each rank holds every n-th token of a block, a layout the block transfer does not map"),
+    ("prefill_context_parallel_size", "--prefill-context-parallel-size",
+     "the prompt's tokens are split across ranks, a layout the block transfer does not map"),
+)
+
+
+def check_parallel_layout(vllm_config: Any) -> None:
+    """Refuse, at start-up and naming the setting, parallel layouts the connector does
+    not move correctly: pipeline parallelism and context parallelism (prefill or decode).
+    Served instead, they would collide on side-channel ports or move KV blocks of the
+    wrong layers or tokens. Tensor and data parallelism are supported."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    if pc is None:
+        return
+    for name, flag, why in _UNSUPPORTED_PARALLEL:
+        size = int(getattr(pc, name, 1) or 1)
+        if size > 1:
+            raise ConnectorConfigError(
+                f"KVTransportConnector does not support {name} {size} ({flag} {size}): {why}. Start the engine "
+                f"with {flag} 1 and use tensor parallelism (--tensor-parallel-size) or data parallelism instead.")
 
 
 def data_parallel_rank(vllm_config: Any) -> int:

@@ -9,14 +9,17 @@ blocks are held for a consumer: exactly the time the connector must answer its p
 
 Why the connector cares. Its side-channel server is a thread inside those processes and
 needs the GIL. Measured on this project's 2-core CI machine (Linux 6.18, EEVDF
-scheduler; a TP=2 prefill engine and a TP=1 decode engine on the two cores): the kernel
-charges a yielding thread a whole time slice per ``sched_yield()``, so a spinner that is
-preempted while holding the GIL is not run again for seconds to a minute, and every other
-thread of its process (our side-channel thread included) waits with it. Peers saw
-replies 15-60 s late (a sealed request then refused as stale, loads ending at their
-deadline; the e2e hetero-TP test failed 4 runs out of 4). With ``time.sleep(0)`` (a
-system call that releases the GIL without the scheduler penalty) the same pair served
-each request in 0.1-0.2 s (docs/VLLM.md, "Busy-wait yield").
+scheduler), with more vLLM worker processes pinned to a core than it has room for (a
+TP=2 prefill engine and a TP=1 decode engine on two cores; or two prefill and two decode
+engines, one core per two engines): a spinner preempted while it holds the GIL was not
+run again for seconds to a minute, and every other thread of its process (our
+side-channel thread included) waited with it. Peers saw replies 15-60 s late (a sealed
+request then refused as stale, loads ending at their deadline, producer leases lapsing)
+and, where one TP worker of an engine stalled past vLLM's
+``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` (300 s: the engine core's wait for a step's
+result), the engine died. With ``time.sleep(0)`` (a system call that releases the GIL
+without the scheduler's yield accounting) the same engines served each request in
+0.1-0.2 s (docs/VLLM.md, "Busy-wait yield").
 
 The price of ``time.sleep(0)``: a spinner no longer hands its core to a ready process
 of the same engine, so where an engine's processes share one core the hops between them
@@ -24,31 +27,86 @@ wait for the spinner's time slice. Measured with ``bench/e2e_latency.py`` (each 
 one core, one run): sequential p50 92.8 ms with vLLM's ``sched_yield`` against 171.7 ms
 with ``time.sleep(0)``; concurrency 8: 213 against 302 ms.
 
-So the default (``vllm_spin_yield: sched_yield``) leaves vLLM's loops as shipped, and
-``vllm_spin_yield: sleep`` switches them, in each process that builds the connector (engine
-core and workers), to ``time.sleep(0)``, vLLM's own choice for older Pythons: for hosts
-where more engine processes spin than there are cores (e.g. a TP=2 engine and another
-engine on two cores), where a stalled side channel costs far more than the extra hop time.
+So neither is right everywhere, and the default, ``vllm_spin_yield: auto``, decides from
+where the workers run: :func:`host_census` counts the vLLM worker processes on this host
+(process title ``VLLM::Worker...``) whose CPU affinity overlaps this process's, and the
+CPUs all of them may run on. More workers than CPUs: ``time.sleep(0)``; otherwise vLLM's
+own ``sched_yield``. The engine core and API server are not counted: they wait for their
+workers, and one engine per core (each with its engine core) is the layout where
+``sched_yield`` is both safe and faster. Workers start after the connector of the engine
+core is built, and other engines may start later, so the census is taken again at most
+every :data:`RECHECK_S` seconds, from inside the wait loop (an idle moment by definition),
+and the choice is logged once, and again whenever it changes. ``sleep`` and
+``sched_yield`` fix the choice for a process.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import os
 import time
+from dataclasses import dataclass
 
-__all__ = ["SPIN_YIELD_MODES", "sleep_yield", "apply_spin_yield"]
+__all__ = ["SPIN_YIELD_MODES", "RECHECK_S", "HostCensus", "host_census", "census_of", "sleep_yield",
+           "AutoYield", "apply_spin_yield"]
 
 log = logging.getLogger(__name__)
 
-#: accepted values of the ``vllm_spin_yield`` setting
-SPIN_YIELD_MODES = ("sleep", "sched_yield")
+#: accepted values of the ``vllm_spin_yield`` setting (the first is the default)
+SPIN_YIELD_MODES = ("auto", "sleep", "sched_yield")
 
 #: vLLM modules that call (and bind by name) ``sched_yield`` in their wait loops
 _MODULES = ("vllm.distributed.utils", "vllm.distributed.device_communicators.shm_broadcast")
 
+#: the process title vLLM gives its worker processes (``VLLM::Worker_TP0``, ``VLLM::Worker_PP1_TP0``, ...)
+WORKER_TITLE = b"VLLM::Worker"
+
+#: longest an automatic choice is kept before the census is taken again (seconds)
+RECHECK_S = 5.0
+
 #: vLLM's own yield function per module, recorded before it is first replaced
 _ORIGINAL: dict[str, object] = {}
+
+
+@dataclass(frozen=True)
+class HostCensus:
+    """The vLLM workers that compete for this process's CPUs, and the CPUs they may use."""
+
+    workers: int
+    cpus: int
+
+    @property
+    def oversubscribed(self) -> bool:
+        """More spinning workers than CPUs to run them on: ``sched_yield`` is unsafe."""
+        return self.workers > self.cpus
+
+
+def census_of(own_cpus: set[int], worker_cpus: list[set[int]]) -> HostCensus:
+    """The rule, on given facts: the workers whose CPU set overlaps ``own_cpus``, and the
+    union of their sets with ``own_cpus``."""
+    sharing = [c for c in worker_cpus if c & own_cpus]
+    union = set(own_cpus).union(*sharing) if sharing else set(own_cpus)
+    return HostCensus(len(sharing), len(union))
+
+
+def host_census(proc: str = "/proc") -> HostCensus:
+    """:func:`census_of` for this host now: this thread's CPU affinity, and each process
+    whose command line starts with vLLM's worker title (``/proc/<pid>/cmdline``) with its
+    affinity. A process that ends while it is read is skipped."""
+    own = os.sched_getaffinity(0)
+    sets = []
+    for name in os.listdir(proc):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"{proc}/{name}/cmdline", "rb") as f:
+                if not f.read(len(WORKER_TITLE)).startswith(WORKER_TITLE):
+                    continue
+            sets.append(os.sched_getaffinity(int(name)))
+        except OSError:  # gone, or not ours to read
+            continue
+    return census_of(own, sets)
 
 
 def sleep_yield() -> None:
@@ -56,15 +114,69 @@ def sleep_yield() -> None:
     time.sleep(0)
 
 
+class AutoYield:
+    """The ``auto`` yield: ``time.sleep(0)`` while :func:`host_census` finds more workers
+    than CPUs, else the wrapped (vLLM's own) function; the census is retaken at most every
+    :data:`RECHECK_S` seconds, at a call (so only while a loop spins)."""
+
+    def __init__(self, shipped: object, census: object = host_census, recheck_s: float = RECHECK_S) -> None:
+        self.shipped = shipped
+        self._census = census
+        self._recheck_s = recheck_s
+        self._next_check = 0.0
+        self._sleep = False
+        self._logged: bool | None = None
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._decide(now)
+        if self._sleep:
+            time.sleep(0)
+        else:
+            self.shipped()  # type: ignore[operator]
+
+    def _decide(self, now: float) -> None:
+        try:
+            census: HostCensus = self._census()  # type: ignore[operator]
+        except OSError as exc:  # no /proc: keep vLLM's own choice
+            log.debug("kvtransport: CPU census failed (%s); vLLM's busy-wait loops keep sched_yield", exc)
+            census = HostCensus(0, 1)
+        self._sleep = census.oversubscribed
+        self._next_check = now + self._recheck_s
+        if self._logged != self._sleep:
+            self._logged = self._sleep
+            how = "time.sleep(0)" if self._sleep else "vLLM's os.sched_yield()"
+            log.info("kvtransport: vLLM's busy-wait loops in this process (pid %d) yield with %s: %d vLLM worker "
+                     "process(es) on this host share %d CPU(s) with it (vllm_spin_yield: auto; set sleep or "
+                     "sched_yield to fix the choice; docs/VLLM.md, Busy-wait yield)", os.getpid(), how,
+                     census.workers, census.cpus)
+
+
+#: the one automatic yield of this process (one census, one log line for both modules)
+_AUTO: AutoYield | None = None
+
+
+def _wanted(mode: str, original: object) -> object:
+    global _AUTO
+    if mode == "sleep":
+        return sleep_yield
+    if mode == "sched_yield":
+        return original
+    if _AUTO is None:
+        _AUTO = AutoYield(original)
+    return _AUTO
+
+
 def apply_spin_yield(mode: str) -> list[str]:
-    """Make vLLM's wait loops in this process yield with :func:`sleep_yield` (``mode``
-    ``"sleep"``) or with vLLM's own function (``"sched_yield"``: as shipped, or put back if
-    an earlier call replaced it). Returns the modules changed; idempotent. A vLLM without
-    these modules or names is left unchanged (nothing to do)."""
+    """Make vLLM's wait loops in this process yield with :func:`sleep_yield` (``"sleep"``),
+    with vLLM's own function (``"sched_yield"``: as shipped, or put back if an earlier call
+    replaced it) or with this process's :class:`AutoYield` (``"auto"``). Returns the modules
+    changed; idempotent. A vLLM without these modules or names is left unchanged."""
     if mode not in SPIN_YIELD_MODES:
         raise ValueError(f"vllm_spin_yield must be one of {SPIN_YIELD_MODES}, got {mode!r}")
     if mode == "sched_yield" and not _ORIGINAL:
-        return []  # the default, and nothing was ever replaced: vLLM's loops are as shipped
+        return []  # nothing was ever replaced: vLLM's loops are as shipped
     changed = []
     for name in _MODULES:
         try:
@@ -74,9 +186,9 @@ def apply_spin_yield(mode: str) -> list[str]:
         current = getattr(module, "sched_yield", None)
         if not callable(current):
             continue
-        if current is not sleep_yield:
+        if current is not sleep_yield and not isinstance(current, AutoYield):
             _ORIGINAL.setdefault(name, current)
-        wanted = sleep_yield if mode == "sleep" else _ORIGINAL.get(name, current)
+        wanted = _wanted(mode, _ORIGINAL.get(name, current))
         if current is not wanted:
             module.sched_yield = wanted
             changed.append(name)
@@ -84,4 +196,3 @@ def apply_spin_yield(mode: str) -> list[str]:
         log.info("kvtransport: vLLM's busy-wait loops in this process yield with time.sleep(0) "
                  "(vllm_spin_yield: sleep; docs/VLLM.md, Busy-wait yield)")
     return changed
-
