@@ -25,6 +25,7 @@ from kvtransport.auth import Authenticator
 from kvtransport.metadata import decode_metadata
 from kvtransport_vllm.config import AUTH_CHANNEL, ConnectorConfig, ConnectorConfigError
 from kvtransport_vllm.messages import Error, Hello, Renew, Reply, Welcome, decode, encode
+from kvtransport_vllm.side_channel import endpoint_name
 
 pytestmark = pytest.mark.timeout(120)
 TEST_SECRET = "kvtransport-test-cluster-secret"  # tests/vllm/conftest.py
@@ -125,18 +126,21 @@ def _ask(port, frame: bytes, timeout=2.0):
         s.close(0)
 
 
-@pytest.mark.parametrize("how", ["unsealed", "wrong-secret", "replayed"])
+@pytest.mark.parametrize("how", ["unsealed", "wrong-secret", "replayed", "for-another-worker"])
 def test_unauthenticated_peer_gets_no_descriptor_and_no_key(pair, how):
     pw, cw = pair.P.worker._worker, pair.C.worker._worker
     secrets = _secret_bytes(pw)
     good = Authenticator(TEST_SECRET.encode(), AUTH_CHANNEL)
+    to = endpoint_name("127.0.0.1", pair.p_port)
     if how == "unsealed":
         frame = _hello(cw)
     elif how == "wrong-secret":
-        frame = Authenticator(b"guessed-wrong-secret-0000", AUTH_CHANNEL).seal(_hello(cw), "req")
-    else:  # a Hello captured on the wire, replayed by someone without the secret
-        frame = good.seal(_hello(cw), "req")
+        frame = Authenticator(b"guessed-wrong-secret-0000", AUTH_CHANNEL).seal(_hello(cw), "req", to=to)
+    elif how == "replayed":  # a Hello captured on the wire, replayed by someone without the secret
+        frame = good.seal(_hello(cw), "req", to=to)
         assert _ask(pair.p_port, frame) is not None
+    else:  # a Hello captured on its way to another worker (the consumer's), replayed here
+        frame = good.seal(_hello(cw), "req", to=endpoint_name("127.0.0.1", pair.c_port))
     reply = _ask(pair.p_port, frame)
     assert reply is not None  # a refusal (rate limit not hit here), not silence
     for what, blob in secrets.items():
@@ -144,6 +148,8 @@ def test_unauthenticated_peer_gets_no_descriptor_and_no_key(pair, how):
     msg = decode(reply)
     assert isinstance(msg, Error) and msg.code == "auth"
     assert pw.server.counters["auth"] >= 1
+    if how == "for-another-worker":
+        assert "misdirected" in msg.message and pw.server.counters["misdirected"] == 1
 
 
 def test_control_authentic_peer_does_get_the_descriptor(pair):
@@ -151,8 +157,9 @@ def test_control_authentic_peer_does_get_the_descriptor(pair):
     secret (the check above can fail), and not in the sealed bytes (they are encrypted)."""
     pw, cw = pair.P.worker._worker, pair.C.worker._worker
     good = Authenticator(TEST_SECRET.encode(), AUTH_CHANNEL)
-    reply = _ask(pair.p_port, good.seal(_hello(cw), "req"))
-    body = good.open(reply, "rep")
+    to = endpoint_name("127.0.0.1", pair.p_port)
+    reply = _ask(pair.p_port, good.seal(_hello(cw), "req", to=to))
+    body = good.open(reply, "rep", to=to)
     assert isinstance(decode(body), Welcome)
     secrets = _secret_bytes(pw)
     assert all(blob in body for blob in secrets.values())
@@ -163,13 +170,14 @@ def test_control_authentic_peer_does_get_the_descriptor(pair):
 
 
 class TcpTap:
-    """A passive tap on the side channel: forwards every TCP connection made to ``port`` to
-    the upstream port unchanged, recording every byte in both directions."""
+    """A passive tap on the side channel: forwards every TCP connection made to
+    ``listen`` (host, port) to ``upstream`` unchanged, recording every byte in both
+    directions."""
 
-    def __init__(self, upstream_port: int, host: str = "127.0.0.1") -> None:
-        self._upstream = (host, upstream_port)
-        self._lsock = socket.create_server((host, 0))
-        self.port = self._lsock.getsockname()[1]
+    def __init__(self, listen: tuple[str, int], upstream: tuple[str, int]) -> None:
+        self._upstream = upstream
+        self._lsock = socket.create_server(listen)
+        self.host, self.port = listen
         self._to_server, self._to_client = bytearray(), bytearray()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -228,7 +236,11 @@ def _tap_pair(backend: str, auth: str) -> Pair:
         extra["backend_options"] = {"tls": "tcp"}  # real remote keys in the region blobs
     if auth == "off":
         extra["side_channel_auth"] = "off"
-    return Pair("read", p_extra=extra, c_extra=extra)
+    # the producer listens on 127.0.0.2 only, so the tap can hold its port on 127.0.0.1
+    return Pair("read", p_extra={**extra, "side_channel_host": _PRODUCER_HOST}, c_extra=extra)
+
+
+_PRODUCER_HOST = "127.0.0.2"
 
 
 @pytest.mark.parametrize("backend", ["loopback", "ucx"])
@@ -241,15 +253,16 @@ def test_passive_tap_sees_no_address_and_no_key(backend, auth):
     order), region key blobs (UCX rkeys, where they hold key material), and no 32-byte window of the msgspec-encoded
     Welcome. ``auth="off"`` is the control: the same tap and search find them all."""
     p = _tap_pair(backend, auth)
-    tap = TcpTap(p.p_port)
+    tap = TcpTap(("127.0.0.1", p.p_port), (_PRODUCER_HOST, p.p_port))
     try:
         pw, cw = p.P.worker._worker, p.C.worker._worker
         prompt = prompt_of(80, seed=12)
         params = dict(p.prefill("tap1", prompt))
         assert params["remote_port"] == p.p_port
-        # route the consumer's side channel through the tap (which listens on loopback; the
-        # producer advertises its routable address and listens on every interface)
-        params["remote_host"], params["remote_port"] = "127.0.0.1", tap.port
+        # route the consumer's side channel through the tap: it names the producer
+        # 127.0.0.1 (a loopback name of the producer, which listens on loopback, for a
+        # peer on this host), and every byte crosses the tap
+        params["remote_host"] = tap.host
         p.C.add("tapc1", prompt, 2, params)
         p.run(lambda: any("tapc1" in (o.finished_recving or ()) for o in p.C.kv_outputs), timeout=30)
         assert not any(o.invalid_block_ids for o in p.C.kv_outputs)
@@ -319,9 +332,10 @@ def test_auth_failures_reach_connector_stats(pair, n):
     connector.get_kv_connector_stats()  # start a fresh interval
     wrong = Authenticator(b"guessed-wrong-secret-0000", AUTH_CHANNEL)
     good = Authenticator(TEST_SECRET.encode(), AUTH_CHANNEL)
-    refusals, barrier = _flood(pair.p_port, [wrong.seal(_hello(cw), "req") for _ in range(n)],
-                               good.seal(encode(Renew(keys=[])), "req"))
-    assert isinstance(decode(good.open(barrier, "rep")), Reply)
+    to = endpoint_name("127.0.0.1", pair.p_port)
+    refusals, barrier = _flood(pair.p_port, [wrong.seal(_hello(cw), "req", to=to) for _ in range(n)],
+                               good.seal(encode(Renew(keys=[])), "req", to=to))
+    assert isinstance(decode(good.open(barrier, "rep", to=to)), Reply)
     assert all(decode(r).code == "auth" for r in refusals)
 
     stats = connector.get_kv_connector_stats()

@@ -27,7 +27,7 @@ from kvtransport_vllm.config import AUTH_CHANNEL
 from kvtransport_vllm.messages import (
     Aborted, Cancel, Done, Hello, LayoutInfo, Release, Renew, WriteReq, Written, decode, encode,
 )
-from kvtransport_vllm.side_channel import TokenBucket
+from kvtransport_vllm.side_channel import TokenBucket, endpoint_name
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -53,7 +53,7 @@ def live():
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://127.0.0.1:{pair.p_port}")
     auth = Authenticator(TEST_SECRET.encode(), AUTH_CHANNEL)
-    state = {"pair": pair, "sock": sock, "auth": auth, "tb": tb,
+    state = {"pair": pair, "sock": sock, "auth": auth, "tb": tb, "to": endpoint_name("127.0.0.1", pair.p_port),
              "server": pair.P.worker._worker.server, "md": pair.P.worker._worker._agent_md,
              "layout": pair.C.worker._worker.layout, "c_md": pair.C.worker._worker._agent_md}
     yield state
@@ -89,14 +89,14 @@ def _send(live, frames: list[bytes]) -> dict[str, int]:
 def _sealed_ok(live, reply: bytes) -> bool:
     """Authentic (sealed) replies may carry metadata: only to holders of the secret."""
     try:
-        live["auth"].open(reply, "rep")
+        live["auth"].open(reply, "rep", to=live["to"])
         return True
     except Exception:
         return False
 
 
 def _seal(live, body: bytes) -> bytes:
-    return live["auth"].seal(body, "req")
+    return live["auth"].seal(body, "req", to=live["to"])
 
 
 # ------------------------------------------------------------------------------ fuzz

@@ -18,7 +18,7 @@ from harness import free_port_base
 from kvtransport.auth import Authenticator
 from kvtransport_vllm.config import AUTH_CHANNEL
 from kvtransport_vllm.messages import PROTOCOL_VERSION, Done, Error, Renew, Reply, decode, encode
-from kvtransport_vllm.side_channel import SideChannelClient, SideChannelServer, TokenBucket
+from kvtransport_vllm.side_channel import SideChannelClient, SideChannelServer, TokenBucket, endpoint_name
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -43,11 +43,16 @@ def server():
     srv.close()
 
 
-def _raw(port, payload: bytes, timeout=5.0):
+def _to(port):
+    """The destination a request to the test server at ``port`` is sealed for."""
+    return endpoint_name("127.0.0.1", port)
+
+
+def _raw(port, payload: bytes, timeout=5.0, host="127.0.0.1"):
     """Send one frame from a bare DEALER; the raw reply bytes (None: no reply)."""
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
-    s.connect(f"tcp://127.0.0.1:{port}")
+    s.connect(f"tcp://{host}:{port}")
     s.send(payload)
     out = s.recv() if s.poll(int(timeout * 1000)) else None
     s.close(0)
@@ -110,9 +115,9 @@ def test_unsealed_message_gets_auth_error_only(server):
 
 def test_replayed_message_refused(server):
     port, srv, seen = server
-    frame = _auth().seal(encode(Renew(keys=["r"])), "req")
+    frame = _auth().seal(encode(Renew(keys=["r"])), "req", to=_to(port))
     first = _raw(port, frame)
-    assert isinstance(decode(_auth().open(first, "rep")), Reply)
+    assert isinstance(decode(_auth().open(first, "rep", to=_to(port))), Reply)
     again = decode(_raw(port, frame))
     assert isinstance(again, Error) and again.code == "auth" and "replayed" in again.message
     assert [m.keys for m in seen] == [["r"]]
@@ -121,26 +126,26 @@ def test_replayed_message_refused(server):
 def test_reply_sealed_as_request_is_refused(server):
     """Direction is bound into the MAC: a captured reply cannot be replayed as a request."""
     port, srv, seen = server
-    r = decode(_raw(port, _auth().seal(encode(Renew(keys=["x"])), "rep")))
+    r = decode(_raw(port, _auth().seal(encode(Renew(keys=["x"])), "rep", to=_to(port))))
     assert isinstance(r, Error) and r.code == "auth" and not seen
 
 
 def test_malformed_body_with_valid_seal_refused(server):
     port, srv, seen = server
-    r = decode(_raw(port, _auth().seal(b"\x00garbage\xff", "req")))
+    r = decode(_raw(port, _auth().seal(b"\x00garbage\xff", "req", to=_to(port))))
     assert isinstance(r, Error) and r.code == "malformed" and not seen
 
 
 def test_unknown_field_refused(server):
     port, srv, seen = server
     body = msgspec.msgpack.encode({"t": "renew", "v": PROTOCOL_VERSION, "cid": 3, "keys": ["a"], "token": "x"})
-    r = decode(_raw(port, _auth().seal(body, "req")))
+    r = decode(_raw(port, _auth().seal(body, "req", to=_to(port))))
     assert isinstance(r, Error) and r.code == "malformed" and "token" in r.message and not seen
 
 
 def test_wrong_version_refused(server):
     port, srv, seen = server
-    r = decode(_raw(port, _auth().seal(encode(Done(keys=["a"], v=99)), "req")))
+    r = decode(_raw(port, _auth().seal(encode(Done(keys=["a"], v=99)), "req", to=_to(port))))
     assert isinstance(r, Error) and r.code == "version" and "version 99" in r.message and not seen
 
 
@@ -165,7 +170,7 @@ def test_oversized_dropped_server_keeps_serving(server):
     port, srv, seen = server
     s, mon = _dealer_watching_disconnect(port)
     try:
-        s.send(_auth().seal(encode(Done(keys=["x" * 10000])), "req"))
+        s.send(_auth().seal(encode(Done(keys=["x" * 10000])), "req", to=_to(port)))
         _wait_disconnected(mon)
     finally:
         mon.close(0)
@@ -195,14 +200,15 @@ def test_failed_authentications_are_rate_limited():
     try:
         for i in range(200):
             s.send(b"junk-%d" % i)
-        barrier = a.seal(encode(Renew(keys=["barrier"])), "req")
+        barrier = a.seal(encode(Renew(keys=["barrier"])), "req", to=_to(port))
         s.send(barrier)
         refusals = 0
         while True:
             assert s.poll(10_000), f"no reply to the barrier ({refusals} refusals seen)"
             r = s.recv()
             if r.startswith(b"KVTA"):
-                assert isinstance(decode(a.open(r, "rep", request_nonce=Authenticator.nonce_of(barrier))), Reply)
+                body = a.open(r, "rep", to=_to(port), request_nonce=Authenticator.nonce_of(barrier))
+                assert isinstance(decode(body), Reply)
                 break
             assert decode(r).code == "auth"
             refusals += 1
@@ -244,17 +250,18 @@ def test_unknown_tag_is_a_decode_error():
 
 
 class _Mitm:
-    """An active attacker on the path: a ROUTER the client connects to, forwarding each
-    request to the real server and choosing which frames the client gets back."""
+    """An active attacker on the path: a ROUTER at the server's advertised address that the
+    client connects to, forwarding each request to the real server (listening elsewhere)
+    and choosing which frames the client gets back."""
 
-    def __init__(self, server_port: int):
+    def __init__(self, host: str, port: int, server_host: str):
         ctx = zmq.Context.instance()
         self.front = ctx.socket(zmq.ROUTER)
         self.front.setsockopt(zmq.LINGER, 0)
-        self.port = self.front.bind_to_random_port("tcp://127.0.0.1")
+        self.front.bind(f"tcp://{host}:{port}")
         self.back = ctx.socket(zmq.DEALER)
         self.back.setsockopt(zmq.LINGER, 0)
-        self.back.connect(f"tcp://127.0.0.1:{server_port}")
+        self.back.connect(f"tcp://{server_host}:{port}")
         self.ident = b""
 
     def relay_request(self, timeout=5.0) -> bytes:
@@ -274,27 +281,43 @@ class _Mitm:
         self.back.close(0)
 
 
+#: where the server behind the attacker really listens (it advertises 127.0.0.1)
+_HIDDEN = "127.0.0.3"
+
+
 @pytest.fixture
-def mitm(server):
-    m = _Mitm(server[0])
-    yield m
+def server_behind_mitm():
+    """A server advertising 127.0.0.1:P but listening on 127.0.0.3:P, and the attacker
+    holding 127.0.0.1:P: clients address the advertised worker and reach the attacker."""
+    seen = []
+
+    def handler(msg):
+        seen.append(msg)
+        return Reply(status={k: "ok" for k in msg.keys})
+
+    port = free_port_base(1)
+    srv = SideChannelServer("127.0.0.1", port, handler, auth=_auth(), max_message_bytes=4096, bind_host=_HIDDEN)
+    m = _Mitm("127.0.0.1", port, _HIDDEN)
+    yield port, srv, seen, m
     m.close()
+    srv.close()
 
 
-def test_reply_to_another_request_is_refused_and_counted(server, mitm, monkeypatch):
+def test_reply_to_another_request_is_refused_and_counted(server_behind_mitm, monkeypatch):
     """A reply captured from another client's request N (same cid, as a second process
     would use) is refused as the answer to this client's request M, and counted; M's own
     reply is then accepted. Control: the captured reply is authentic and carries M's cid,
     so a client that matched replies by cid alone would have taken it."""
-    port, srv, seen = server
+    port, srv, seen, mitm = server_behind_mitm
     # Request N: another process's client (own authenticator, own replay memory).
     other = _auth()
-    req_n = other.seal(encode(Renew(keys=["n"], cid=500)), "req")
-    reply_n = _raw(port, req_n)
-    assert isinstance(decode(other.open(reply_n, "rep", request_nonce=Authenticator.nonce_of(req_n))), Reply)
+    req_n = other.seal(encode(Renew(keys=["n"], cid=500)), "req", to=_to(port))
+    reply_n = _raw(port, req_n, host=_HIDDEN)
+    body_n = other.open(reply_n, "rep", to=_to(port), request_nonce=Authenticator.nonce_of(req_n))
+    assert isinstance(decode(body_n), Reply)
 
     monkeypatch.setattr(SideChannelClient, "_cids", itertools.count(500))
-    c = SideChannelClient("127.0.0.1", mitm.port, auth=_auth())
+    c = SideChannelClient("127.0.0.1", port, auth=_auth())
     try:
         assert c.send(Renew(keys=["m"])) == 500
         reply_m = mitm.relay_request()
@@ -307,16 +330,16 @@ def test_reply_to_another_request_is_refused_and_counted(server, mitm, monkeypat
         assert _poll_until(c, 0, 2) == [] and c.counters["auth"] == 2
     finally:
         c.close()
-    control = decode(_auth().open(reply_n, "rep"))
+    control = decode(_auth().open(reply_n, "rep", to=_to(port)))
     assert isinstance(control, Reply) and control.cid == 500  # what a cid-only match accepts
     assert [m.keys for m in seen] == [["n"], ["m"]]
 
 
-def test_tampered_reply_refused_and_the_genuine_one_still_accepted(server, mitm):
+def test_tampered_reply_refused_and_the_genuine_one_still_accepted(server_behind_mitm):
     """A reply whose ciphertext was altered is refused (and does not cancel the request:
     the genuine reply delivered after it is accepted)."""
-    port, srv, seen = server
-    c = SideChannelClient("127.0.0.1", mitm.port, auth=_auth())
+    port, srv, seen, mitm = server_behind_mitm
+    c = SideChannelClient("127.0.0.1", port, auth=_auth())
     try:
         cid = c.send(Done(keys=["t"]))
         genuine = mitm.relay_request()
@@ -420,7 +443,7 @@ def test_a_stale_request_is_refused_without_blaming_the_secret(server, monkeypat
     port, srv, seen = server
     real = time.time
     monkeypatch.setattr(time, "time", lambda: real() - 40)
-    frame = _auth().seal(encode(Renew(keys=["late"])), "req")
+    frame = _auth().seal(encode(Renew(keys=["late"])), "req", to=_to(port))
     monkeypatch.setattr(time, "time", real)
     reply = decode(_raw(port, frame))
     assert isinstance(reply, Error) and reply.code == "auth" and not seen

@@ -11,9 +11,15 @@ Confidentiality and authentication: the Welcome reply carries this agent's metad
 cache. So every request and every reply is sealed with the cluster secret
 (:class:`kvtransport.auth.Authenticator`: AES-256-GCM under a per-message key derived from
 the secret; channel, direction, timestamp and nonce authenticated; replays and stale
-messages refused): a tap on the path sees ciphertext only. Each reply is bound to the
-nonce of the request it answers; the client keeps the nonces of its unanswered requests
-(bounded) and accepts a reply only as the answer to one of them, once. A request that
+messages refused): a tap on the path sees ciphertext only. Each request is sealed for
+the worker it addresses, named by its side-channel endpoint (:func:`endpoint_name`: the
+advertised host and the port, which is the worker's DP and TP rank, docs/VLLM.md); a
+server opens only requests sealed for one of its own names (:class:`OwnNames`), so a
+request captured on its way to one worker and replayed to another is refused and
+counted (``misdirected``, also in ``auth``). Each reply names the same worker and is
+bound to the nonce of the request it answers; the client keeps the nonces of its
+unanswered requests (bounded) and accepts a reply only as the answer to one of them,
+once: a reply reaches only the requester that sealed that nonce. A request that
 fails authentication never reaches the handler: it gets at most a short unsealed
 ``Error(code="auth")`` naming the fix (a hint, never acted upon), and once failures
 exceed ``auth_fail_rate`` per second (token bucket) not even that: it is dropped.
@@ -26,6 +32,7 @@ replies and never kill the thread.
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import logging
 import math
@@ -37,13 +44,13 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from kvtransport.auth import AuthError, Authenticator, AuthVersionError, StaleMessageError
+from kvtransport.auth import AuthError, Authenticator, AuthVersionError, MisdirectedError, StaleMessageError
 
 from .messages import PROTOCOL_VERSION, Error, Msg, decode, encode, peek_version
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SideChannelServer", "SideChannelClient", "SideChannelError", "TokenBucket"]
+__all__ = ["SideChannelServer", "SideChannelClient", "SideChannelError", "TokenBucket", "OwnNames", "endpoint_name"]
 
 
 class SideChannelError(RuntimeError):
@@ -54,6 +61,86 @@ def _endpoint(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"tcp://{host}:{port}"
+
+
+def _norm_host(host: str) -> str:
+    """One spelling per address: no brackets, lower case, IP addresses in canonical form."""
+    h = host.strip().lower()
+    if h.startswith("[") and h.endswith("]"):
+        h = h[1:-1]
+    try:
+        return str(ipaddress.ip_address(h))
+    except ValueError:
+        return h.rstrip(".")
+
+
+def endpoint_name(host: str, port: int) -> str:
+    """The name a sealed request gives the worker it is for: ``host:port`` (``[v6]:port``)
+    of its side channel. The port is the worker's rank (DP rank d, TP rank r listen on
+    base + d * TP + r) and the host, as peers are told it (``side_channel_host``, carried
+    as ``remote_host`` or a Hello's reply address), tells engines apart."""
+    h = _norm_host(host)
+    return f"[{h}]:{port}" if ":" in h else f"{h}:{port}"
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+_WILDCARDS = ("", "*", "0.0.0.0", "::")
+
+
+class OwnNames:
+    """The destination names a worker's server opens requests for (a ``Container`` for
+    :meth:`Authenticator.open`).
+
+    Always its advertised endpoint (and its bind address, when that is one address).
+    From a peer on this host (the connection comes from a loopback address), when the
+    server listens on loopback (on every interface, or on a loopback address), also any
+    loopback address with its port: same-host peers may name it 127.0.0.1 or localhost
+    whatever it advertises. A peer on another host can name it only as advertised, so a
+    request sealed for a worker elsewhere that listens on the same port is refused."""
+
+    def __init__(self, host: str, port: int, bind_host: str | None, *, local_peer: bool) -> None:
+        self.port = port
+        self.advertised = endpoint_name(host, port)
+        names = {self.advertised}
+        wildcard = bind_host is not None and bind_host.strip("[]") in _WILDCARDS
+        if bind_host is not None and not wildcard:
+            names.add(endpoint_name(bind_host, port))
+        self._exact = frozenset(names)
+        self._any_loopback = local_peer and (wildcard or _is_loopback(_norm_host(bind_host or host)))
+
+    def __contains__(self, name: object) -> bool:
+        if name in self._exact:
+            return True
+        if not self._any_loopback or not isinstance(name, str):
+            return False
+        host, _, port = name.rpartition(":")
+        if port != str(self.port):
+            return False
+        return _is_loopback(host[1:-1] if host.startswith("[") and host.endswith("]") else host)
+
+    def __str__(self) -> str:
+        if self._any_loopback:
+            return f"{self.advertised} (or, from this host, a loopback address with port {self.port})"
+        return self.advertised
+
+
+def _from_loopback(frame: zmq.Frame) -> bool:
+    """Whether ``frame`` came over a connection from a loopback address (this host)."""
+    try:
+        peer = frame.get("Peer-Address")
+    except (zmq.ZMQError, KeyError, ValueError):  # not TCP, or a libzmq without the property
+        return False
+    return isinstance(peer, str) and _is_loopback(_norm_host(peer))
 
 
 class TokenBucket:
@@ -110,9 +197,14 @@ class SideChannelServer:
                 "process already using it."
             ) from exc
         self._stop = threading.Event()
+        #: the names requests may be sealed for: from a peer elsewhere, from this host
+        self._names = OwnNames(host, port, bind_host, local_peer=False)
+        self._local_names = OwnNames(host, port, bind_host, local_peer=True)
         #: refused requests by reason ("auth", "malformed", "version"), and refusals
-        #: dropped without any reply because the failure rate limit was exceeded
-        self.counters = {"served": 0, "auth": 0, "malformed": 0, "version": 0, "dropped": 0}
+        #: dropped without any reply because the failure rate limit was exceeded;
+        #: ``misdirected`` (also counted in ``auth``): authentic requests sealed for
+        #: another worker (replayed here, or addressed by a name we do not answer to)
+        self.counters = {"served": 0, "auth": 0, "misdirected": 0, "malformed": 0, "version": 0, "dropped": 0}
         self._thread = threading.Thread(target=self._run, name=f"kvt-side-channel-{port}", daemon=True)
         self._thread.start()
 
@@ -123,15 +215,15 @@ class SideChannelServer:
             try:
                 if not dict(poller.poll(50)):
                     continue
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.ZMQError:
                 if self._stop.is_set():
                     break
                 continue
             if len(frames) < 2:
                 continue
-            ident, payload = frames[0], frames[-1]
-            out = self._handle(payload)
+            ident, payload = frames[0].bytes, frames[-1].bytes
+            out = self._handle(payload, self._local_names if _from_loopback(frames[-1]) else self._names)
             if out is None:
                 continue
             try:
@@ -152,13 +244,20 @@ class SideChannelServer:
                         self.host, self.port, code, self.counters[code], message)
         return encode(Error(cid=cid, code=code, message=message))
 
-    def _handle(self, payload: bytes) -> bytes | None:
-        """Reply bytes for one request frame (None: no reply)."""
-        body, nonce = payload, None
+    def _handle(self, payload: bytes, names: OwnNames) -> bytes | None:
+        """Reply bytes for one request frame (None: no reply); ``names``: what it may be
+        sealed for, as seen from the connection it came on."""
+        body, nonce, dest = payload, None, ""
         if self._auth is not None:
             try:
-                body = self._auth.open(payload, "req")
-                nonce = Authenticator.nonce_of(payload)
+                body = self._auth.open(payload, "req", to=names)
+                nonce, dest = Authenticator.nonce_of(payload), Authenticator.dest_of(payload)
+            except MisdirectedError as exc:
+                self.counters["misdirected"] += 1
+                return self._refuse("auth", f"side-channel request misdirected, refused: {exc}. It was captured on "
+                                    "its way to another worker and replayed here, or its sender names this worker "
+                                    f"otherwise than it advertises itself: address it as {names.advertised} "
+                                    "(its side_channel_host and port)")
             except (AuthVersionError, StaleMessageError) as exc:  # the secret is not the problem
                 return self._refuse("auth", f"side-channel request not authenticated: {exc}")
             except AuthError as exc:
@@ -180,7 +279,7 @@ class SideChannelServer:
         self.counters["served"] += 1
         reply.cid = msg.cid
         out = encode(reply)
-        return self._auth.seal(out, "rep", request_nonce=nonce) if self._auth is not None else out
+        return self._auth.seal(out, "rep", to=dest, request_nonce=nonce) if self._auth is not None else out
 
     def close(self) -> None:
         self._stop.set()
@@ -205,9 +304,12 @@ def _cid_of(body: bytes) -> int | None:
 class SideChannelClient:
     """Non-blocking request/reply to one peer's server (DEALER socket, main thread only).
 
-    With authentication on, every request sealed here is remembered (its nonce and cid)
-    until its reply arrives; a reply is accepted only if it is bound to one of those
-    nonces, carries that request's cid, and is the first answer to it. At most
+    With authentication on, every request is sealed for the worker at ``host:port``
+    (:func:`endpoint_name`: peers name a worker by the address it advertises, so a worker
+    that does not answer to that name refuses it, naming both) and remembered (its nonce
+    and cid) until its reply arrives; a reply is accepted only if it names that worker,
+    is bound to one of those nonces, carries that request's cid, and is the first answer
+    to it. At most
     ``max_pending`` unanswered requests are remembered (the oldest is forgotten first; a
     late reply to it is then refused and counted)."""
 
@@ -228,6 +330,8 @@ class SideChannelClient:
                  reconnect_after_s: float | None = None):
         """``auth`` is required: pass None only when authentication is explicitly off."""
         self.host, self.port = host, port
+        #: the worker our requests are sealed for
+        self.dest = endpoint_name(host, port)
         self._auth = auth
         self._max_message_bytes = int(max_message_bytes)
         self._reconnect_after_s = self.RECONNECT_AFTER_S if reconnect_after_s is None else float(reconnect_after_s)
@@ -285,7 +389,7 @@ class SideChannelClient:
         sealed request is remembered as waiting for its reply."""
         if self._auth is None:
             return body
-        frame = self._auth.seal(body, "req")
+        frame = self._auth.seal(body, "req", to=self.dest)
         with self._pending_lock:
             self._pending[Authenticator.nonce_of(frame)] = _cid_of(body)
             while len(self._pending) > self._max_pending:
@@ -353,7 +457,11 @@ class SideChannelClient:
             self.counters["misbound"] += 1
             raise AuthError("reply to no request of ours still waiting for one (already answered, "
                             "forgotten, or sent to another client): replayed or misdirected")
-        body = self._auth.open(frame, "rep", request_nonce=request_nonce)
+        try:
+            body = self._auth.open(frame, "rep", to=self.dest, request_nonce=request_nonce)
+        except MisdirectedError:
+            self.counters["misbound"] += 1
+            raise
         got = _cid_of(body)
         if cid is not None and got != cid:
             self.counters["misbound"] += 1
