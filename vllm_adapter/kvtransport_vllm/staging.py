@@ -9,9 +9,14 @@ Two jobs, one small interface (:class:`KVDevice`) the worker calls at exactly tw
   complete (and, with staging, once the blocks are copied into the host buffer the
   transport moves).
 * :meth:`KVDevice.after_receive` — when loads are about to be reported to vLLM as
-  finished (``get_finished``), before vLLM may schedule a forward that reads them. With
-  staging it copies the received blocks from the host buffer into the device cache and
-  waits for that copy.
+  finished (``get_finished``). With staging it enqueues the copy of the received blocks
+  from the host buffer into the device cache and returns a :class:`Fence` the worker
+  polls each step: a load is reported only once its fence is ready, so vLLM never
+  schedules a forward that reads blocks still being copied, and the engine thread never
+  waits for the forward in flight (async scheduling keeps its overlap).
+
+Block ids come as vLLM's connector carries them (kv_groups.py): one flat list plus
+``group_sizes``; on a hybrid model each layer copies only the ids of its own KV cache group.
 
 Three implementations, chosen by :func:`make_kv_device` from the caches' memory kind and
 the ``kv_buffer_device`` option:
@@ -21,27 +26,221 @@ the ``kv_buffer_device`` option:
 * :class:`DirectDeviceKV` — a GPU cache the transport moves itself: ``before_send``
   synchronizes the current stream of the cache's device; ``after_receive`` needs nothing
   (the transport's completion is when its device writes are done, see docs/GPU.md).
-* :class:`HostStaging` — ``kv_buffer_device: cpu``: a host mirror of every KV tensor
-  (same shape and strides, pinned when the cache is on a device) is what gets registered;
-  blocks are copied device -> host before sending and host -> device after receiving,
-  with ``index_select`` / ``index_copy_`` over a block-id tensor (one call per layer and
-  direction, never a Python loop per block). On a CPU engine it still really copies,
-  which is how it is tested without a GPU.
+* :class:`HostStaging` — ``kv_buffer_device: cpu``: a host mirror of the KV cache is what
+  gets registered; blocks are copied device -> host before sending and host -> device
+  after receiving, with ``index_select`` / ``index_copy_`` over a block-id tensor (one call
+  per layer and direction, never a Python loop per block). On a CPU engine it still really
+  copies (synchronously, :class:`HostFence`), which is how it is tested without a GPU.
+
+The mirror (:func:`plan_mirrors`) has one copy of each *distinct* device byte range, not
+one per layer: since vLLM 0.32 the KV cache groups of a hybrid model are views of one
+allocation that overlay each other (a block id belongs to one group at a time), and a
+per-layer mirror both multiplied host memory and, copied back with every group's ids,
+wrote rows the transport never filled over another group's blocks. All ranges live in
+one exact-size host allocation, page-locked in place (:func:`pin_host_buffer`) rather
+than taken from torch's pinned allocator, which rounds each allocation up to a power of
+two and keeps it.
+
+Deliberate waits for the device (``before_send``) run inside vLLM's ``gpu_sync_allowed()``
+when vLLM has it, so ``VLLM_GPU_SYNC_CHECK=error`` does not fail the step on them; every
+host -> device copy reads pinned memory, which that check requires of non-blocking copies.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from .kv_layout import LayerMem
+from .config import ConnectorConfigError
+from .kv_groups import flatten, split
+from .kv_layout import KVLayoutError, LayerMem
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KVDevice", "HostKV", "DirectDeviceKV", "HostStaging", "make_kv_device", "current_stream_of"]
+__all__ = ["KVDevice", "HostKV", "DirectDeviceKV", "HostStaging", "make_kv_device", "current_stream_of",
+           "Fence", "HostFence", "DeviceFence", "MirrorPlan", "MirrorRange", "plan_mirrors",
+           "pin_host_buffer", "merge_group_ids", "vllm_sync_allowed"]
+
+#: Where each distinct range starts in the host allocation: a page boundary (any dtype's
+#: alignment, and what DMA engines like)
+MIRROR_ALIGN = 4096
+#: cudaHostRegisterPortable: the pages count as pinned for every CUDA context of the process
+_HOST_REGISTER_PORTABLE = 1
 
 
+# ------------------------------------------------------------------ vLLM's sync check
+def vllm_sync_allowed() -> Callable[[], AbstractContextManager[Any]]:
+    """vLLM's ``gpu_sync_allowed`` (its ``VLLM_GPU_SYNC_CHECK`` exemption for deliberate
+    host-device waits) when the installed vLLM has it, else a no-op context."""
+    try:
+        from vllm.utils.gpu_sync_debug import gpu_sync_allowed
+    except ImportError:
+        return contextlib.nullcontext
+    return gpu_sync_allowed
+
+
+# ------------------------------------------------------------------ fences
+class Fence(Protocol):
+    """Completion of copies already enqueued: ``query`` never blocks, ``synchronize`` does."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+class HostFence:
+    """The host implementation: work done by a host thread, ready once that thread says so
+    (a CPU engine's copies are synchronous, so its fences are ready when returned)."""
+
+    def __init__(self, done: bool = False) -> None:
+        self._done = threading.Event()
+        if done:
+            self._done.set()
+
+    def set(self) -> None:
+        self._done.set()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+
+
+class DeviceFence:
+    """A CUDA event recorded on ``stream`` after the copies it guards; ``keep`` holds the
+    host buffers those copies read until the event has completed."""
+
+    def __init__(self, stream: Any, keep: Sequence[Any] = ()) -> None:
+        import torch
+
+        self._event = torch.cuda.Event()
+        self._event.record(stream)
+        self._keep: Sequence[Any] = keep
+
+    def query(self) -> bool:
+        if self._event.query():
+            self._keep = ()
+            return True
+        return False
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
+        self._keep = ()
+
+
+# ------------------------------------------------------------------ block ids per group
+def merge_group_ids(jobs: Iterable[tuple[Sequence[int], Sequence[int]]]) -> tuple[list[int], list[int]]:
+    """Several jobs' ``(block ids, group sizes)`` as one: each group's ids of every job
+    together, in the same flat-plus-sizes form (``[]`` sizes: one group)."""
+    per_group: list[list[int]] = []
+    for ids, sizes in jobs:
+        for g, group_ids in enumerate(split(ids, sizes)):
+            if g == len(per_group):
+                per_group.append([])
+            per_group[g] += group_ids
+    return flatten(per_group) if per_group else ([], [])
+
+
+# ------------------------------------------------------------------ the mirror's layout
+@dataclass(frozen=True)
+class MirrorRange:
+    """One distinct device byte range (the layer views of one allocation that overlap or
+    touch, merged) and where its copy starts in the host allocation."""
+
+    device_start: int
+    nbytes: int
+    host_offset: int
+
+
+@dataclass(frozen=True)
+class MirrorPlan:
+    """The host mirror as one allocation: each distinct range once, at an aligned offset."""
+
+    ranges: list[MirrorRange]
+    #: per layer: the index of the range it lies in
+    layer_range: list[int]
+    #: bytes of the one host allocation
+    total_bytes: int
+
+    @property
+    def mirrored_bytes(self) -> int:
+        """Device bytes the mirror copies (the distinct ranges, without alignment)."""
+        return sum(r.nbytes for r in self.ranges)
+
+    def host_offset(self, layer: int, addr: int) -> int:
+        """Where the layer whose view starts at device address ``addr`` starts in the host allocation."""
+        r = self.ranges[self.layer_range[layer]]
+        return r.host_offset + (addr - r.device_start)
+
+
+def _allocation_of(t: Any) -> tuple[str, int, int]:
+    """What identifies the allocation a view belongs to: views of different allocations
+    are never merged, even if their addresses happen to be adjacent."""
+    dev = t.device
+    return (dev.type, -1 if dev.index is None else int(dev.index), int(t.untyped_storage().data_ptr()))
+
+
+def plan_mirrors(layers: Sequence[LayerMem], align: int = MIRROR_ALIGN) -> MirrorPlan:
+    """One mirror range per distinct device byte range of ``layers``.
+
+    Layers whose bytes overlap (vLLM's hybrid KV cache groups overlay one allocation; KV
+    sharing layers are the same tensor) or touch inside one allocation share a range, so
+    a layer's host view aliases exactly the other host views its device view aliases."""
+    spans = sorted((_allocation_of(lm.tensor), lm.addr, lm.addr + lm.nbytes, i) for i, lm in enumerate(layers))
+    ranges: list[list[int]] = []  # [start, end] per range, in address order
+    keys: list[tuple[str, int, int]] = []
+    layer_range = [0] * len(layers)
+    for key, start, end, i in spans:
+        if ranges and keys[-1] == key and start <= ranges[-1][1]:
+            ranges[-1][1] = max(ranges[-1][1], end)
+        else:
+            ranges.append([start, end])
+            keys.append(key)
+        layer_range[i] = len(ranges) - 1
+    out, at = [], 0
+    for start, end in ranges:
+        out.append(MirrorRange(start, end - start, at))
+        at += -(-(end - start) // align) * align
+    return MirrorPlan(out, layer_range, at)
+
+
+def pin_host_buffer(buf: Any) -> Callable[[], None]:
+    """Page-lock exactly ``buf``'s bytes in place (cudaHostRegister), so device copies from
+    and to it are asynchronous DMA; returns the undo. The one device call of the mirror:
+    torch's pinned allocator would round the size up to a power of two and keep it."""
+    import torch
+
+    cudart = torch.cuda.cudart()
+    ptr, nbytes = int(buf.data_ptr()), int(buf.untyped_storage().nbytes())
+    err = int(cudart.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE))
+    if err != 0:
+        raise ConnectorConfigError(
+            f"KVTransportConnector: could not pin the {nbytes / 2**20:.1f} MiB host mirror of the KV cache "
+            f"(cudaHostRegister returned CUDA error {err}): the host needs that much lockable memory per worker "
+            "(check the memlock limit and free RAM), or use kv_buffer_device 'auto' with a backend that moves "
+            "device memory (docs/GPU.md)")
+
+    def unpin() -> None:
+        cudart.cudaHostUnregister(ptr)
+
+    return unpin
+
+
+def _release(unpin: Callable[[], None] | None, buf: Any) -> None:
+    """Undo the page-lock before the buffer's memory can be freed (``buf`` is kept alive until then)."""
+    if unpin is not None:
+        unpin()
+    del buf
+
+
+# ------------------------------------------------------------------ the device policies
 class KVDevice:
     """The two ordering points between the transport and the device (base: no-ops)."""
 
@@ -49,12 +248,17 @@ class KVDevice:
     def registered(self, layers: list[LayerMem]) -> list[LayerMem]:
         return layers
 
-    def before_send(self, block_ids: Sequence[int]) -> None:
+    def before_send(self, block_ids: Sequence[int], group_sizes: Sequence[int] = ()) -> None:
         """Return once the KV in ``block_ids`` is complete in the registered memory."""
 
-    def after_receive(self, block_ids: Sequence[int]) -> None:
-        """Return once bytes that landed in the registered memory for ``block_ids`` are in
-        the KV cache, visible to any forward vLLM launches afterwards."""
+    def after_receive(self, block_ids: Sequence[int], group_sizes: Sequence[int] = ()) -> Fence:
+        """Start moving bytes that landed in the registered memory for ``block_ids`` into the
+        KV cache; the returned fence is ready once they are there, visible to any forward
+        vLLM launches afterwards."""
+        return HostFence(done=True)
+
+    def close(self) -> None:
+        """Release what the policy holds (the pinned mirror); after the agent is closed."""
 
     def describe(self) -> str:
         return "direct"
@@ -79,85 +283,176 @@ class DirectDeviceKV(KVDevice):
 
     ``before_send`` synchronizes the device's current stream: every kernel the forward
     enqueued before this point (including the last layer's KV write) has completed when
-    it returns. ``stream_of`` is injectable so a test can record the calls."""
+    it returns; a deliberate wait, so it runs inside vLLM's sync-check exemption.
+    ``stream_of`` and ``sync_allowed`` are injectable so a test can record the calls."""
 
-    def __init__(self, device: Any, stream_of: Callable[[Any], Any] = current_stream_of) -> None:
+    def __init__(self, device: Any, stream_of: Callable[[Any], Any] = current_stream_of,
+                 sync_allowed: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
         self.device = device
         self._stream_of = stream_of
+        self._sync_allowed = sync_allowed or vllm_sync_allowed()
 
-    def before_send(self, block_ids: Sequence[int]) -> None:
+    def before_send(self, block_ids: Sequence[int], group_sizes: Sequence[int] = ()) -> None:
         if len(block_ids):
-            self._stream_of(self.device).synchronize()
+            with self._sync_allowed():
+                self._stream_of(self.device).synchronize()
 
     def describe(self) -> str:
         return f"device cache on {self.device}, direct (stream synchronized before holds and writes)"
 
 
 class HostStaging(KVDevice):
-    """Pinned host mirror of the KV cache; the transport moves only the mirror."""
+    """Host mirror of the KV cache (pinned when the cache is on a device); the transport
+    moves only the mirror.
 
-    def __init__(self, layers: list[LayerMem], stream_of: Callable[[Any], Any] = current_stream_of) -> None:
+    ``layer_group`` gives each layer's KV cache group (empty: one group), so each layer
+    copies only its own group's blocks. The mirror is one allocation laid out by
+    :func:`plan_mirrors`; each layer's host view has the device view's sizes and strides
+    at the same place in its range."""
+
+    def __init__(self, layers: list[LayerMem], layer_group: Sequence[int] = (),
+                 stream_of: Callable[[Any], Any] = current_stream_of,
+                 sync_allowed: Callable[[], AbstractContextManager[Any]] | None = None,
+                 pin: Callable[[Any], Callable[[], None]] = pin_host_buffer) -> None:
         import torch
 
+        if layer_group and len(layer_group) != len(layers):
+            raise KVLayoutError(f"{len(layers)} layers but a KV cache group is known for {len(layer_group)}")
         self._torch = torch
         self._stream_of = stream_of
+        self._sync_allowed = sync_allowed or vllm_sync_allowed()
         self.layers = layers
+        self.layer_group = list(layer_group)
         dev = layers[0].tensor.device
         self.device = dev
         self.on_device = dev.type != "cpu"
-        self.host: list[Any] = []
-        for lm in layers:
-            t = lm.tensor
-            # same sizes and strides: the mirror's blocks are laid out like the cache's
-            self.host.append(torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype,
-                                                 device="cpu", pin_memory=self.on_device))
-        self.nbytes = sum(lm.nbytes for lm in layers)
+        self.mirror = plan_mirrors(layers)
+        #: the one host allocation every layer's mirror view lies in (exactly this size)
+        self.buffer = torch.empty(self.mirror.total_bytes, dtype=torch.uint8, device="cpu")
+        unpin = pin(self.buffer) if self.on_device else None
+        self._finalizer = weakref.finalize(self, _release, unpin, self.buffer)
+        self.host: list[Any] = [self._host_view(i, lm) for i, lm in enumerate(layers)]
+        #: layers actually copied: a view repeated in one group (KV sharing layers) once
+        seen: set[tuple[Any, ...]] = set()
+        self._copy: list[int] = []
+        for i, lm in enumerate(layers):
+            key = (lm.addr, tuple(lm.tensor.shape), tuple(lm.tensor.stride()), lm.tensor.dtype, self._group(i))
+            if key not in seen:
+                seen.add(key)
+                self._copy.append(i)
+        self.nbytes = self.mirror.total_bytes
+
+    def _host_view(self, i: int, lm: LayerMem) -> Any:
+        t = lm.tensor
+        off = self.mirror.host_offset(i, lm.addr)
+        item = t.element_size()
+        if off % item:
+            raise KVLayoutError(f"KV cache layer {i} starts {off} bytes into its allocation, not a multiple of "
+                                f"its element size {item}: it cannot be mirrored")
+        return self._torch.as_strided(self.buffer.view(t.dtype), tuple(t.shape), tuple(t.stride()), off // item)
+
+    def _group(self, layer: int) -> int:
+        return self.layer_group[layer] if self.layer_group else 0
 
     def registered(self, layers: list[LayerMem]) -> list[LayerMem]:
         out = []
         for lm, h in zip(layers, self.host):
             out.append(LayerMem(h, int(h.data_ptr()), lm.nbytes, list(lm.bases), lm.block_bytes,
-                                lm.block_stride, "cpu", -1, lm.block_dim))
+                                lm.block_stride, "cpu", -1, lm.block_dim, lm.attn_layout))
         return out
 
-    def _ids(self, block_ids: Sequence[int]) -> tuple[Any, Any]:
+    def _work(self, block_ids: Sequence[int], group_sizes: Sequence[int]) -> tuple[list[tuple[LayerMem, Any, Any, Any]], list[Any]]:
+        """(layer, host view, host ids, device ids) for every layer with blocks to copy: its
+        own group's ids; and the host id tensors a device copy reads (kept until it ends)."""
         torch = self._torch
-        ids = torch.as_tensor(list(block_ids), dtype=torch.long)
-        return ids, (ids.to(self.device) if self.on_device else ids)
+        if len(group_sizes) <= 1:
+            per_group = [list(block_ids)]
+            group_of = [0] * len(self.layers)
+        else:
+            if not self.layer_group:
+                raise KVLayoutError(f"block ids for {len(group_sizes)} KV cache groups, but the layers' groups "
+                                    "are not known")
+            per_group = split(block_ids, group_sizes)
+            group_of = self.layer_group
+        ids_of: dict[int, tuple[Any, Any]] = {}
+        for g, ids in enumerate(per_group):
+            if not ids:
+                continue
+            host_ids = torch.as_tensor(ids, dtype=torch.long)
+            if self.on_device:  # pinned, so the copy to the device is asynchronous
+                host_ids = host_ids.pin_memory()
+                ids_of[g] = (host_ids, host_ids.to(self.device, non_blocking=True))
+            else:
+                ids_of[g] = (host_ids, host_ids)
+        work = []
+        for i in self._copy:
+            g = group_of[i]
+            if g in ids_of:
+                work.append((self.layers[i], self.host[i], *ids_of[g]))
+        return work, [h for h, _ in ids_of.values()]
 
-    def before_send(self, block_ids: Sequence[int]) -> None:
+    def _pinned_like(self, t: Any, dim: int, n: int) -> Any:
+        shape = list(t.shape)
+        shape[dim] = n
+        return self._torch.empty(shape, dtype=t.dtype, device="cpu", pin_memory=True)
+
+    def before_send(self, block_ids: Sequence[int], group_sizes: Sequence[int] = ()) -> None:
         """Device -> host for ``block_ids``: gather on the device (enqueued on the current
-        stream, so after the forward that wrote them), then scatter into the mirror."""
-        if not len(block_ids):
+        stream, so after the forward that wrote them), copy into pinned rows, wait for that
+        (the hold is offered right after: a deliberate wait), then scatter into the mirror."""
+        work, _ = self._work(block_ids, group_sizes)
+        if not work:
             return
-        ids, ids_dev = self._ids(block_ids)
-        for lm, h in zip(self.layers, self.host):
-            gathered = lm.tensor.index_select(lm.block_dim, ids_dev)
-            h.index_copy_(lm.block_dim, ids, gathered.to("cpu"))  # .to waits for the stream
-        if self.on_device:
-            self._stream_of(self.device).synchronize()
+        if not self.on_device:
+            for lm, h, ids, _ in work:
+                h.index_copy_(lm.block_dim, ids, lm.tensor.index_select(lm.block_dim, ids))
+            return
+        staged = []
+        for lm, h, ids, ids_dev in work:
+            rows = lm.tensor.index_select(lm.block_dim, ids_dev)
+            host_rows = self._pinned_like(rows, lm.block_dim, int(ids.numel()))
+            host_rows.copy_(rows, non_blocking=True)
+            staged.append((lm, h, ids, host_rows))
+        fence = DeviceFence(self._stream_of(self.device))
+        with self._sync_allowed():
+            fence.synchronize()
+        for lm, h, ids, host_rows in staged:
+            h.index_copy_(lm.block_dim, ids, host_rows)
 
-    def after_receive(self, block_ids: Sequence[int]) -> None:
-        """Host -> device for ``block_ids``, waited for before the load is reported."""
-        if not len(block_ids):
-            return
-        ids, ids_dev = self._ids(block_ids)
-        for lm, h in zip(self.layers, self.host):
-            rows = h.index_select(lm.block_dim, ids)
-            lm.tensor.index_copy_(lm.block_dim, ids_dev, rows.to(self.device, non_blocking=self.on_device))
-        if self.on_device:
-            self._stream_of(self.device).synchronize()
+    def after_receive(self, block_ids: Sequence[int], group_sizes: Sequence[int] = ()) -> Fence:
+        """Host -> device for ``block_ids``: gather the mirror's rows into pinned memory and
+        enqueue their copy and scatter on the device's current stream; the fence is an event
+        recorded after them (a CPU cache: copied now, the fence is ready)."""
+        work, keep = self._work(block_ids, group_sizes)
+        if not self.on_device:
+            for lm, h, ids, _ in work:
+                lm.tensor.index_copy_(lm.block_dim, ids, h.index_select(lm.block_dim, ids))
+            return HostFence(done=True)
+        if not work:
+            return HostFence(done=True)
+        torch = self._torch
+        for lm, h, ids, ids_dev in work:
+            rows = self._pinned_like(h, lm.block_dim, int(ids.numel()))
+            torch.index_select(h, lm.block_dim, ids, out=rows)
+            lm.tensor.index_copy_(lm.block_dim, ids_dev, rows.to(self.device, non_blocking=True))
+            keep.append(rows)
+        return DeviceFence(self._stream_of(self.device), keep)
+
+    def close(self) -> None:
+        self._finalizer()
 
     def describe(self) -> str:
+        m = self.mirror
         pinned = "pinned " if self.on_device else ""
-        return (f"host staging (kv_buffer_device=cpu): {self.nbytes / 2**20:.1f} MiB {pinned}host mirror "
-                f"of the {self.device} KV cache")
+        return (f"host staging (kv_buffer_device=cpu): {self.nbytes / 2**20:.1f} MiB {pinned}host mirror of the "
+                f"{self.device} KV cache, one allocation for {len(m.ranges)} distinct device byte range(s) of "
+                f"{len(self.layers)} layers")
 
 
-def make_kv_device(layers: list[LayerMem], kv_buffer_device: str) -> KVDevice:
+def make_kv_device(layers: list[LayerMem], kv_buffer_device: str, layer_group: Sequence[int] = ()) -> KVDevice:
     """The device policy for these caches: staged if asked, else direct by memory kind."""
     if kv_buffer_device == "cpu":
-        return HostStaging(layers)
+        return HostStaging(layers, layer_group)
     if layers and layers[0].kind != "cpu":
         return DirectDeviceKV(layers[0].tensor.device)
     return HostKV()

@@ -44,7 +44,7 @@ from .kv_layout import KVLayoutError, check_uniform, describe_kv_caches
 from .messages import Aborted, KVTransportMetadata, LayoutInfo, Msg, PeerNotice, Release, Renew
 from .producer import Hold, Producer
 from .side_channel import SideChannelServer, wait_for_any
-from .staging import HostKV, HostStaging, KVDevice, make_kv_device
+from .staging import Fence, HostKV, HostStaging, KVDevice, make_kv_device, merge_group_ids
 from .tp_mapping import TPMappingError
 
 log = logging.getLogger(__name__)
@@ -119,8 +119,12 @@ class KVTransportWorker:
         self._side_channel_closed = _side_channel_zero()
         #: device ordering / host staging policy, set when the KV caches are registered
         self.kv_device: KVDevice = HostKV()
-        #: staged loads not yet reported: req id -> the blocks to copy into the device cache
-        self._staged_loads: dict[str, list[int]] = {}
+        #: staged loads not yet copied: req id -> (the blocks to copy into the device cache,
+        #: their group sizes)
+        self._staged_loads: dict[str, tuple[list[int], list[int]]] = {}
+        #: staged loads whose copy into the device cache is enqueued: reported once the
+        #: fence is ready (polled each get_finished, never waited for)
+        self._copying: list[tuple[Fence, set[str]]] = []
 
     # ------------------------------------------------------------------ shared state
     # (read by tests and the soak harness: the tables are the state machines' own)
@@ -159,15 +163,16 @@ class KVTransportWorker:
         check_uniform(layers)
         self._check_staging_mode()
         self._kv_caches = kv_caches  # keep tensors alive while registered
-        self.kv_device = make_kv_device(layers, self.cfg.kv_buffer_device)
+        ctx = self.ctx
+        group_of = {name: g for g, info in enumerate(self.groups) for name in info.layers}
+        ctx.layer_group = [group_of.get(name, 0) for name in kv_caches] if len(self.groups) > 1 else []
+        # staged: each layer copies its own group's blocks (hybrid groups alias one allocation)
+        self.kv_device = make_kv_device(layers, self.cfg.kv_buffer_device, ctx.layer_group)
         layers = self.kv_device.registered(layers)  # staged: the host mirror, not the cache
         opts = dict(self.cfg.backend_options)
         opts.setdefault("default_timeout_s", self.cfg.transfer_timeout_s)
         opts["name"] = self.name
-        ctx = self.ctx
         ctx.agent = kvt.open(self.cfg.backend, **opts)
-        group_of = {name: g for g, info in enumerate(self.groups) for name in info.layers}
-        ctx.layer_group = [group_of.get(name, 0) for name in kv_caches] if len(self.groups) > 1 else []
         part_regions, strides = [], []
         try:
             for lm in layers:
@@ -245,6 +250,8 @@ class KVTransportWorker:
         if self.ctx.agent is not None:
             self.ctx.agent.close()
             self.ctx.agent = None
+        self._copying.clear()
+        self.kv_device.close()  # after the agent: the transport no longer uses the mirror
 
     # ------------------------------------------------------------------ per step
     def on_metadata(self, meta: KVTransportMetadata | None) -> None:
@@ -256,11 +263,11 @@ class KVTransportWorker:
         if meta.hold:
             # Ordering point 1 (LIFECYCLE.md section 6): the KV of these blocks is complete
             # (and, staged, in the host buffer) before any hold is offered or written.
-            self.kv_device.before_send([b for j in meta.hold for b in j.block_ids])
+            self.kv_device.before_send(*merge_group_ids((j.block_ids, j.group_sizes) for j in meta.hold))
         if isinstance(self.kv_device, HostStaging):
             for job in meta.recv:
                 if not job.refused:
-                    self._staged_loads.setdefault(job.req_id, list(job.local_block_ids))
+                    self._staged_loads.setdefault(job.req_id, (list(job.local_block_ids), list(job.group_sizes)))
         now = time.monotonic()
         with self.ctx.lock:
             self.consumer.add(meta.recv, now)
@@ -290,25 +297,45 @@ class KVTransportWorker:
             staged = bool(self._staged_loads)  # host staging only; nothing to do otherwise
             failed = self.consumer.failed_recving & recving if staged else set()
         if staged:
-            self._copy_staged_loads(recving, failed, finished_req_ids)
+            recving = self._copy_staged_loads(recving, failed, finished_req_ids)
+        if self._copying:
+            recving |= self._copies_done()
         if recving:
             with self.ctx.lock:  # after any staging copy: "report" ends when vLLM is told
                 self.consumer.report(recving, time.monotonic())
         return (sending or None), (recving or None)
 
-    def _copy_staged_loads(self, recving: set[str], failed: set[str], finished_req_ids: set[str]) -> None:
-        """Ordering point 2 (LIFECYCLE.md section 6): loads reported now were received in
-        the host buffer; copy their blocks into the device cache before vLLM learns they
-        are done. Failed loads are not copied (vLLM recomputes those blocks), nor are
-        requests vLLM has finished (aborted): their blocks may already be someone else's."""
+    def _copy_staged_loads(self, recving: set[str], failed: set[str], finished_req_ids: set[str]) -> set[str]:
+        """Ordering point 2 (LIFECYCLE.md section 6): loads finished now were received in
+        the host buffer; enqueue the copy of their blocks into the device cache, to be
+        reported once it is done (:meth:`_copies_done`). Returns the loads to report now:
+        failed loads are not copied (vLLM recomputes those blocks), nor are requests vLLM
+        has finished (aborted): their blocks may already be someone else's."""
         for rid in finished_req_ids:
             self._staged_loads.pop(rid, None)
-        ids: list[int] = []
+        copied: set[str] = set()
+        jobs: list[tuple[list[int], list[int]]] = []
         for rid in recving:
-            blocks = self._staged_loads.pop(rid, None)
-            if blocks is not None and rid not in failed:
-                ids += blocks
-        self.kv_device.after_receive(ids)
+            entry = self._staged_loads.pop(rid, None)
+            if entry is not None and rid not in failed:
+                copied.add(rid)
+                jobs.append(entry)
+        if copied:
+            self._copying.append((self.kv_device.after_receive(*merge_group_ids(jobs)), copied))
+        return recving - copied
+
+    def _copies_done(self) -> set[str]:
+        """The staged loads whose copy into the device cache has completed (fences polled,
+        never waited for: the forward in flight keeps running while the engine schedules)."""
+        done: set[str] = set()
+        waiting = []
+        for fence, rids in self._copying:
+            if fence.query():
+                done |= rids
+            else:
+                waiting.append((fence, rids))
+        self._copying = waiting
+        return done
 
     def _await_replies(self, budget_s: float) -> None:
         """Give loads that only wait for the producer's word (a READ's confirmation, a
