@@ -54,8 +54,10 @@ Usage::
         --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
 
 Several ``--prefill`` / ``--decode`` URLs may be given; requests are spread
-round-robin.  Only the Python standard library and ``aiohttp`` (a vLLM
-dependency) are used.
+round-robin over the (prefill, decode) pairs so that consecutive requests
+alternate engines on both sides and every prefill engine feeds every decode
+engine (with 2 and 2: P0->D0, P1->D1, P0->D1, P1->D0, then again).  Only the
+Python standard library and ``aiohttp`` (a vLLM dependency) are used.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ import copy
 import itertools
 import json
 import logging
+import math
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -136,19 +139,30 @@ class ProxyConfig:
                         "side channel(s)")
         elif pre_sc or dec_sc:
             raise ValueError("--prefill-side-channel / --decode-side-channel are used only by --flow router")
-        # round-robin over (URL, side channel) pairs; two-hop: no side channel
-        self._prefill_rr = itertools.cycle(list(zip(self.prefill_urls, pre_sc or [None] * len(self.prefill_urls))))
-        self._decode_rr = itertools.cycle(list(zip(self.decode_urls, dec_sc or [None] * len(self.decode_urls))))
+        # round-robin over (URL, side channel) pairs of both sides; two-hop: no side channel
+        prefills = list(zip(self.prefill_urls, pre_sc or [None] * len(self.prefill_urls)))
+        decodes = list(zip(self.decode_urls, dec_sc or [None] * len(self.decode_urls)))
+        self._pairs = itertools.cycle([(prefills[p], decodes[d]) for p, d in pair_order(len(prefills), len(decodes))])
 
-    def next_prefill(self) -> str:
-        return next(self._prefill_rr)[0]
-
-    def next_decode(self) -> str:
-        return next(self._decode_rr)[0]
+    def next_pair(self) -> tuple[tuple[str, Any], tuple[str, Any]]:
+        """The next ((prefill URL, its side channel), (decode URL, its side channel)); the
+        side channels are None in the two-hop flow."""
+        return next(self._pairs)
 
     def next_router_pair(self) -> tuple[tuple[str, tuple[str, int]], tuple[str, tuple[str, int]]]:
         """Router flow: ((prefill URL, its side channel), (decode URL, its side channel))."""
-        return next(self._prefill_rr), next(self._decode_rr)
+        return self.next_pair()
+
+
+def pair_order(n_prefill: int, n_decode: int) -> list[tuple[int, int]]:
+    """One round of (prefill, decode) index pairs: every pair exactly once, the prefill
+    index advancing by one each request and the decode index too (two independent
+    round-robins of 2 and 2 would pair P0 with D0 and P1 with D1 forever). Step s takes
+    prefill s mod P and decode (s + s // lcm(P, D)) mod D: within each run of lcm(P, D)
+    steps the pairs differ, and each run shifts the decode side by one more, which
+    reaches the gcd(P, D) pairings a plain lockstep never meets."""
+    run = math.lcm(n_prefill, n_decode)
+    return [(s % n_prefill, (s + s // run) % n_decode) for s in range(n_prefill * n_decode)]
 
 
 def router_request_id(base: str, prefill: tuple[str, int], decode: tuple[str, int]) -> str:
@@ -291,7 +305,7 @@ class DisaggProxy:
             return await self._router_flow(request, path, body, request_id, headers)
 
         # ---- prefill hop ----
-        prefill_url = self.config.next_prefill()
+        (prefill_url, _), (decode_url, _) = self.config.next_pair()
         try:
             async with self._session.post(
                 prefill_url + path,
@@ -322,7 +336,6 @@ class DisaggProxy:
         log.debug("%s: prefill on %s -> %s", request_id, prefill_url, kv_params)
 
         # ---- decode hop ----
-        decode_url = self.config.next_decode()
         return await self._decode_hop(request, decode_url + path, make_decode_request(body, kv_params), headers)
 
     async def _decode_hop(self, request: web.Request, url: str, decode_body: dict[str, Any],

@@ -383,3 +383,35 @@ def test_proxy_cli_router_flow_pairs_side_channels_with_urls():
     assert [p[0] for p in pairs] == [("http://p1", ("10.0.0.1", 5600)), ("http://p2", ("::1", 5601)),
                                      ("http://p1", ("10.0.0.1", 5600))]
     assert all(p[1] == ("http://d1", ("10.0.0.9", 5700)) for p in pairs)
+
+
+def test_fake_upstream_several_engines_every_prefill_feeds_every_decode():
+    """2 prefill and 2 decode engines: each request goes to the next (prefill, decode) pair
+    of a round that holds every pair once, so both sides alternate engines and each decode
+    engine loads from each prefill engine (two lockstep round-robins would pair P0-D0 and
+    P1-D1 only). 8 requests: every pair twice, every engine 4 times."""
+    pres = [FakeEngine("prefill", dict(KV, transfer_id=f"P{i}")) for i in range(2)]
+    decs = [FakeEngine("decode") for _ in range(2)]
+
+    async def main():
+        runners, urls = [], []
+        try:
+            for e in pres + decs:
+                r, u = await _serve(e.app())
+                runners.append(r)
+                urls.append(u)
+            proxy = disagg_proxy.DisaggProxy(disagg_proxy.ProxyConfig(urls[:2], urls[2:]))
+            r, proxy_url = await _serve(proxy.app())
+            runners.insert(0, r)
+            async with aiohttp.ClientSession() as s:
+                for _ in range(8):
+                    async with s.post(proxy_url + "/v1/completions", json={"model": "m", "prompt": "hi"}) as resp:
+                        assert resp.status == 200
+        finally:
+            for r in runners:
+                await r.cleanup()
+
+    asyncio.run(main())
+    assert [len(e.bodies) for e in pres + decs] == [4, 4, 4, 4]
+    fed = [sorted(b["kv_transfer_params"]["transfer_id"] for b in d.bodies) for d in decs]
+    assert fed == [["P0", "P0", "P1", "P1"]] * 2, fed
