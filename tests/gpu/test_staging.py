@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from kvtransport_vllm.config import ConnectorConfig, ConnectorConfigError  # noqa: E402
 from kvtransport_vllm.kv_layout import describe_kv_caches  # noqa: E402
-from kvtransport_vllm.staging import DirectDeviceKV, HostKV, HostStaging, make_kv_device  # noqa: E402
+from kvtransport_vllm.staging import DirectDeviceKV, HostFence, HostKV, HostStaging, KVDevice, make_kv_device  # noqa: E402
 from kvtransport_vllm.worker import KVTransportWorker  # noqa: E402
 
 from . import recording_backend as rec  # noqa: E402
@@ -205,15 +205,18 @@ def test_only_successful_live_loads_are_copied_into_the_cache():
     w = _worker("kv_consumer", "read", "cpu")
     copied = []
 
-    class Rec:
-        def after_receive(self, ids):
+    class Rec(KVDevice):
+        def after_receive(self, ids, group_sizes=()):
             copied.append(sorted(ids))
+            return HostFence(done=True)
 
     w.kv_device = Rec()
-    w._staged_loads = {"ok": [1, 2], "failed": [3], "aborted": [4], "later": [5]}
-    w._copy_staged_loads({"ok", "failed", "aborted"}, failed={"failed"}, finished_req_ids={"aborted"})
+    w._staged_loads = {"ok": ([1, 2], []), "failed": ([3], []), "aborted": ([4], []), "later": ([5], [])}
+    now = w._copy_staged_loads({"ok", "failed", "aborted"}, failed={"failed"}, finished_req_ids={"aborted"})
     assert copied == [[1, 2]]
-    assert w._staged_loads == {"later": [5]}  # still loading: copied when it is reported
+    assert now == {"failed", "aborted"}  # nothing to copy: reported at once
+    assert w._copies_done() == {"ok"}  # reported once its copy is done
+    assert w._staged_loads == {"later": ([5], [])}  # still loading: copied when it is reported
 
 
 def _cuda() -> bool:
@@ -239,9 +242,12 @@ def test_device_copies_on_cuda(make):
     before = [c.cpu() for c in caches.values()]
     for h in st.host:
         h.copy_(torch.randn(h.shape))
-    st.after_receive([1, 7])
+    fence = st.after_receive([1, 7])
+    fence.synchronize()
+    assert fence.query()
     for lm, h, cache, old in zip(st.layers, st.host, caches.values(), before):
         got = cache.cpu()
         assert torch.equal(_blocks(got, lm.block_dim, [1, 7]), _blocks(h, lm.block_dim, [1, 7]))
         assert torch.equal(_blocks(got, lm.block_dim, [0, 2, 3, 4, 5, 6]),
                            _blocks(old, lm.block_dim, [0, 2, 3, 4, 5, 6]))
+    st.close()  # unpins the mirror

@@ -211,13 +211,15 @@ def plan_mirrors(layers: Sequence[LayerMem], align: int = MIRROR_ALIGN) -> Mirro
     return MirrorPlan(out, layer_range, at)
 
 
-def pin_host_buffer(buf: Any) -> Callable[[], None]:
+def pin_host_buffer(buf: Any, cudart: Any = None) -> Callable[[], None]:
     """Page-lock exactly ``buf``'s bytes in place (cudaHostRegister), so device copies from
     and to it are asynchronous DMA; returns the undo. The one device call of the mirror:
-    torch's pinned allocator would round the size up to a power of two and keep it."""
-    import torch
+    torch's pinned allocator would round the size up to a power of two and keep it.
+    ``cudart``: the CUDA runtime module (default torch's)."""
+    if cudart is None:
+        import torch
 
-    cudart = torch.cuda.cudart()
+        cudart = torch.cuda.cudart()
     ptr, nbytes = int(buf.data_ptr()), int(buf.untyped_storage().nbytes())
     err = int(cudart.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE))
     if err != 0:
@@ -327,7 +329,8 @@ class HostStaging(KVDevice):
         self.device = dev
         self.on_device = dev.type != "cpu"
         self.mirror = plan_mirrors(layers)
-        #: the one host allocation every layer's mirror view lies in (exactly this size)
+        #: the one host allocation every layer's mirror view lies in (exactly the plan's
+        #: size: allocated unpinned, then page-locked in place)
         self.buffer = torch.empty(self.mirror.total_bytes, dtype=torch.uint8, device="cpu")
         unpin = pin(self.buffer) if self.on_device else None
         self._finalizer = weakref.finalize(self, _release, unpin, self.buffer)
@@ -444,7 +447,8 @@ class HostStaging(KVDevice):
     def describe(self) -> str:
         m = self.mirror
         pinned = "pinned " if self.on_device else ""
-        return (f"host staging (kv_buffer_device=cpu): {self.nbytes / 2**20:.1f} MiB {pinned}host mirror of the "
+        return (f"host staging (kv_buffer_device=cpu): {self.nbytes / 2**20:.1f} MiB ({self.nbytes} bytes) "
+                f"{pinned}host mirror of the "
                 f"{self.device} KV cache, one allocation for {len(m.ranges)} distinct device byte range(s) of "
                 f"{len(self.layers)} layers")
 
