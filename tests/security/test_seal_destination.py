@@ -179,8 +179,9 @@ def test_request_replayed_to_another_worker_refused_and_counted_original_served(
         assert isinstance(r, Reply) and r.status == {"k": "ok"}, "the original request to A was not served"
         assert [m.keys for m in seen["A"]] == [["k"]]
 
-        answer = decode(_raw(HIDDEN, base + 1, captured))
+        raw = _raw(HIDDEN, base + 1, captured)  # answered once B has handled it
         assert seen["B"] == [], "worker B handled a request sealed for worker A"
+        answer = decode(raw)
         assert isinstance(answer, Error) and answer.code == "auth"
         assert "misdirected" in answer.message and f"127.0.0.1:{base}" in answer.message
         assert f"address it as {HIDDEN}:{base + 1}" in answer.message
