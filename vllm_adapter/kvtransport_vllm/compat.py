@@ -5,8 +5,9 @@ producer's Welcome, the producer on the consumer's Hello), so a refusal is known
 one hand-shake round trip and no byte ever moves between incompatible caches. Every
 refusal names both values and the fix.
 
-Compared: served model name, model dtype, KV cache dtype, block size, layer count, K/V
-split, total KV heads, head size, the attention layout inside a block; with equal TP
+Compared: served model name, model dtype, KV cache dtype, block size, whether the layers
+of a block lie together (vLLM's cross-layer layout), layer count, K/V split, total KV
+heads, head size, the attention layout inside a block; with equal TP
 sizes the bytes per block; with different TP sizes the head split (:mod:`.tp_mapping`)
 and whether the side that must send or receive part of its heads keeps them as one byte
 range per block (``kv_layout.HEADS_OUTER``). Fields a side does not know ("" / 0: a
@@ -19,7 +20,7 @@ from .kv_layout import HEADS_OUTER
 from .messages import LayoutInfo
 from .tp_mapping import TPMappingError, check_mapping
 
-__all__ = ["refusal"]
+__all__ = ["refusal", "cross_layer"]
 
 _FIX = {
     "model": "serve the same model (same --served-model-name) on both engines",
@@ -40,8 +41,9 @@ def _side(name: str, kv_heads: int, layout: str, other_heads: int) -> str:
     if kv_heads <= other_heads or layout == HEADS_OUTER:
         return ""
     return (f"the {name}'s KV layout is {layout or 'unknown'} ({kv_heads} heads per rank), so it cannot move "
-            f"{other_heads} of them as one byte range per block; different TP sizes need a layout with heads "
-            "outside tokens in each block (vLLM's CPU backend, FlashInfer / HND), or equal TP sizes")
+            f"{other_heads} of them as one byte range per block; different TP sizes need heads outside tokens "
+            "in each block (vLLM's LBHNC / HND layout, which the connector requests unless kv_cache_layout is "
+            "'vllm', and no VLLM_KV_CACHE_LAYOUT overriding it), or equal TP sizes")
 
 
 def shape_problem(layout: LayoutInfo) -> str:
@@ -64,6 +66,16 @@ def shape_problem(layout: LayoutInfo) -> str:
     return ""
 
 
+def cross_layer(layout: LayoutInfo) -> bool | None:
+    """Whether ``layout`` is vLLM's cross-layer layout: one layout whose parts (the layers)
+    lie side by side inside each block (kv_layout.interleaved); None when it describes no
+    memory (a tool's worker)."""
+    if not layout.part_regions or not layout.block_stride or not layout.part_regions[0]:
+        return None
+    bases = [b for _, b in layout.part_regions[0]]
+    return len(bases) > 1 and max(bases) - min(bases) < layout.block_stride[0]
+
+
 def refusal(ours: LayoutInfo, peer: LayoutInfo, us: str = "local", them: str = "peer") -> str:
     """Why ``ours`` and ``peer`` cannot exchange KV ("" when they can): each difference
     with both values and its fix."""
@@ -79,6 +91,14 @@ def refusal(ours: LayoutInfo, peer: LayoutInfo, us: str = "local", them: str = "
 
     cmp("model", bool(ours.model and peer.model))
     cmp("model_dtype", bool(ours.model_dtype and peer.model_dtype))
+    a, b = cross_layer(ours), cross_layer(peer)
+    if a is not None and b is not None and a != b:
+        # the layer counts differ too (one layout of L parts vs L layouts): say why instead
+        cross, other = (us, them) if a else (them, us)
+        diffs.append(f"the {cross}'s KV cache keeps the pages of all layers of a block together (vLLM's "
+                     f"cross-layer layout) and the {other}'s does not; set the same kv_cache_layout in "
+                     "kv_connector_extra_config on both engines (and the same VLLM_KV_CACHE_LAYOUT, if set)")
+        return "; ".join(diffs)
     for name in ("dtype", "block_size", "num_layers", "parts_per_layer"):
         cmp(name)
     heads_known = ours.total_kv_heads > 0 and peer.total_kv_heads > 0

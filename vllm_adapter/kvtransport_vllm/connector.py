@@ -130,6 +130,17 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
         memory. Ignored by vLLM 0.32, where ``__init__`` refuses instead."""
         return False
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """The KV cache layout vLLM should allocate for us (``kv_cache_layout`` in
+        kv_connector_extra_config, see :mod:`.layout_request`): heads outside tokens
+        (``LBHNC``) by default, so engines of different TP sizes exchange KV on GPU too;
+        ``BLHNC`` (cross-layer blocks) or nothing on request; nothing for MLA models. A
+        bad value fails engine start-up naming the accepted ones."""
+        from .layout_request import required_layout
+
+        return required_layout(vllm_config)
+
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None

@@ -6,6 +6,12 @@ equally strided blocks, both for our own tensors (:func:`describe_kv_caches`,
 :func:`local_layouts`) and for a peer's, from the :class:`~.messages.LayoutInfo` it sent
 in the hand-shake (:func:`remote_layouts`). Anything that is not one dense byte range per
 block is refused with a message instead of guessed.
+
+vLLM's cross-layer layouts (``BLHNC`` / ``BLNHC``: each block holds the pages of every
+layer, one after another) are described as ONE layout whose parts are the layers, all in
+one region and interleaved inside each block (:func:`describe_kv_caches`); their
+segments are built block by block (:func:`block_segments`), so the core merges a block's
+layers, and runs of consecutive blocks, into one byte range each.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ if TYPE_CHECKING:  # .messages imports vLLM; this module (and .staging) must imp
     from .messages import LayoutInfo
 
 __all__ = ["KVLayoutError", "LayerMem", "describe_kv_caches", "check_uniform", "remote_layouts", "block_segments",
-           "head_slice", "HEADS_OUTER", "TOKENS_OUTER", "KV_OUTER", "AMBIGUOUS"]
+           "head_slice", "interleaved", "HEADS_OUTER", "TOKENS_OUTER", "KV_OUTER", "AMBIGUOUS"]
 
 #: inside a block, each head's tokens are one byte range (vLLM's CPU layout
 #: ``[num_blocks, kv_heads, block_size, 2*head_size]``; head-major "HND" GPU blocks): a head range
@@ -53,7 +59,9 @@ class LayerMem:
     tensor: Any
     addr: int
     nbytes: int
-    bases: list[int]  # byte offset of each part (1: blocks first; 2: K/V halves first)
+    #: byte offset of each part: 1 (blocks first), 2 (K/V halves first) or, for vLLM's
+    #: cross-layer layout, one per layer inside each block (interleaved, see interleaved())
+    bases: list[int]
     block_bytes: int
     block_stride: int
     kind: str = "cpu"  # memory kind the agent registers it as: "cpu", "cuda" or "rocm"
@@ -74,6 +82,9 @@ def describe_kv_caches(kv_caches: dict[str, Any], num_blocks: int, kv_heads: int
     ``kv_heads`` and ``block_size`` given, each layer also says where heads lie inside a
     block (``attn_layout``), which decides whether a head range can be moved alone.
     """
+    cross = _cross_layer(kv_caches, num_blocks, kv_heads, block_size)
+    if cross is not None:
+        return [cross]
     out = []
     for name, t in kv_caches.items():
         item = t.element_size()
@@ -91,6 +102,12 @@ def describe_kv_caches(kv_caches: dict[str, Any], num_blocks: int, kv_heads: int
         per_block = 1
         for d in inner:
             per_block *= sizes[d]
+        if per_block < strides[bd] and _dense([sizes[d] for d in inner], [strides[d] for d in inner]):
+            raise KVLayoutError(
+                f"KV cache of layer {name} (shape {tuple(sizes)}, strides {tuple(strides)}) interleaves its blocks "
+                "with other memory (vLLM's cross-layer layout with several KV cache groups, or padded pages): not "
+                "supported; use the heads-outer layout (kv_connector_extra_config kv_cache_layout: heads_outer, "
+                "and no VLLM_KV_CACHE_LAYOUT)")
         if per_block != strides[bd]:
             raise KVLayoutError(f"KV cache of layer {name} (shape {tuple(sizes)}, strides {tuple(strides)}) "
                                 "has gaps inside a block")
@@ -101,6 +118,70 @@ def describe_kv_caches(kv_caches: dict[str, Any], num_blocks: int, kv_heads: int
         out.append(LayerMem(t, int(t.data_ptr()), span * item, bases, per_block * item, strides[bd] * item,
                             kind, device, bd, _attn_layout([sizes[d] for d in order], kv_heads, block_size)))
     return out
+
+
+def _dense(sizes: list[int], strides: list[int]) -> bool:
+    """Whether dimensions of these sizes and strides cover one gap-free range (any order)."""
+    want = 1
+    for n, st in sorted(zip(sizes, strides), key=lambda x: x[1]):
+        if n > 1 and st != want:
+            return False
+        want *= n if n > 1 else 1
+    return True
+
+
+def _cross_layer(kv_caches: dict[str, Any], num_blocks: int, kv_heads: int, block_size: int) -> LayerMem | None:
+    """vLLM's cross-layer layout as one LayerMem, or None when the caches are not that.
+
+    Cross-layer: every layer is a view of one allocation with the same shape, strides and
+    dtype; its block dimension strides over the pages of all layers, its page is one dense
+    range, and the layers' pages lie side by side inside each block (offsets ``0, P, 2P,
+    ..``, no layer twice: several KV cache groups aliasing one block are not this). The
+    result has one part per layer, in the order vLLM gave the layers (the order peers pair
+    them in), one region over every layer's bytes, and ``tensor`` a ``[num_blocks, L*P]``
+    view of those bytes (host staging copies whole blocks of it)."""
+    ts = list(kv_caches.values())
+    if len(ts) < 2:
+        return None
+    t0 = ts[0]
+    sizes, strides, item = list(t0.shape), list(t0.stride()), t0.element_size()
+    if any(list(t.shape) != sizes or list(t.stride()) != strides or t.dtype != t0.dtype or t.device != t0.device
+           or t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr() for t in ts[1:]):
+        return None
+    cands = [d for d, n in enumerate(sizes) if n == num_blocks]
+    if not cands:
+        return None
+    bd = max(cands, key=lambda d: strides[d])
+    inner = [d for d in range(len(sizes)) if d != bd]
+    if any(strides[d] >= strides[bd] and sizes[d] > 1 for d in inner):
+        return None  # a K/V split (or another dimension) outside the blocks: not cross-layer
+    if not _dense([sizes[d] for d in inner], [strides[d] for d in inner]):
+        return None
+    page = item
+    for d in inner:
+        page *= sizes[d]
+    addrs = [int(t.data_ptr()) for t in ts]
+    base = min(addrs)
+    offsets = [a - base for a in addrs]
+    stride = strides[bd] * item
+    if sorted(offsets) != [i * page for i in range(len(ts))] or stride < len(ts) * page:
+        return None
+    first = ts[addrs.index(base)]
+    used = len(ts) * page
+    view = first.as_strided((num_blocks, used // item), (strides[bd], 1), first.storage_offset())
+    kind, device = tensor_memory_kind(first)
+    order = sorted(inner, key=lambda d: -strides[d])
+    return LayerMem(view, base, (num_blocks - 1) * stride + used, offsets, page, stride, kind, device, 0,
+                    _attn_layout([sizes[d] for d in order], kv_heads, block_size))
+
+
+def interleaved(lay: kvt.BlockLayout) -> bool:
+    """Whether ``lay``'s parts lie inside one block stride (vLLM's cross-layer layout: one
+    part per layer, side by side in each block) rather than in separate areas (K/V halves).
+    Unchanged by :func:`head_slice` (it shifts every base alike), so a layout and its head
+    slices, and two peers with the same layout, order their segments alike."""
+    bases = [b for _, b in lay.parts]
+    return len(bases) > 1 and max(bases) - min(bases) < lay.block_stride
 
 
 def _attn_layout(inner_sizes: list[int], kv_heads: int, block_size: int) -> str:
@@ -155,13 +236,29 @@ def block_segments(layouts: list[kvt.BlockLayout], block_ids: list[int], group_s
     group ``layer_group[i]``."""
     ids = np.asarray(block_ids, np.int64)
     if len(group_sizes) <= 1:
-        return kvt.Segments.concat([lay.segments(ids) for lay in layouts])
+        return kvt.Segments.concat([_segments(lay, ids) for lay in layouts])
     if len(layer_group) != len(layouts):
         raise KVLayoutError(f"{len(layouts)} layers but a KV cache group is known for {len(layer_group)}")
     bounds = np.cumsum([0, *group_sizes])
     if bounds[-1] != len(ids):
         raise KVLayoutError(f"group sizes {list(group_sizes)} do not add up to {len(ids)} block ids")
-    return kvt.Segments.concat([lay.segments(ids[bounds[g]:bounds[g + 1]]) for lay, g in zip(layouts, layer_group)])
+    return kvt.Segments.concat([_segments(lay, ids[bounds[g]:bounds[g + 1]]) for lay, g in zip(layouts, layer_group)])
+
+
+def _segments(lay: kvt.BlockLayout, ids: np.ndarray) -> kvt.Segments:
+    """``lay.segments(ids)``, block by block for an interleaved (cross-layer) layout: block
+    b's layers come one after another, so the core merges them (and consecutive blocks)
+    into one byte range. Both sides of a transfer order alike: :func:`interleaved` is the
+    same for both (the hand-shake refuses a cross-layer peer for a per-layer one)."""
+    seg = lay.segments(ids)
+    n = len(lay.parts)
+    if n <= 1 or not interleaved(lay) or len(seg) == 0:
+        return seg
+
+    def block_major(a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(a.reshape(n, -1).T).reshape(-1)
+
+    return kvt.Segments(block_major(seg.region), block_major(seg.offset), block_major(seg.length))
 
 
 def head_slice(layouts: list[kvt.BlockLayout], kv_heads: int, first: int, num: int) -> list[kvt.BlockLayout]:
