@@ -803,6 +803,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n{len(client.results) - len(failed)} passed, {len(failed)} failed")
     raw_failed = [r for r in client.anchor_results if not r[1]]
     print(f"raw NIXL anchor: {len(client.anchor_results) - len(raw_failed)} passed, {len(raw_failed)} failed")
+    if args.json is not None:  # for bench/gpu_e2e.py, which puts raw NIXL beside its load waits
+        with open(args.json, "w") as f:
+            f.write(msgspec.json.encode({"rows": client.table, "failed": [r[0] for r in failed + raw_failed],
+                                         "raw_note": client.anchor_note}).decode())
     return 1 if failed or raw_failed or not client.results else 0
 
 
@@ -838,6 +842,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--raw-nixl", choices=["on", "off"], default="on",
                    help="on (default): also move every case with NIXL's own API in two processes of its own, "
                         "check its bytes and print its GB/s beside ours")
+    p.add_argument("--json", help="also write the table and the failed checks to this file (JSON)")
     # the self-test's fault injection (tests/gpu/test_gpu_validate_script.py): raw NIXL moves
     # only half of each range, always (short) or in its timed rounds (short-timed); --fault
     # short-timed does the same to our timed rounds. The byte checks must report each.
