@@ -32,6 +32,7 @@ replies and never kill the thread.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import itertools
 import logging
@@ -83,6 +84,7 @@ def endpoint_name(host: str, port: int) -> str:
     return f"[{h}]:{port}" if ":" in h else f"{h}:{port}"
 
 
+@functools.lru_cache(maxsize=256)  # asked per request: a worker sees few distinct names
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -134,13 +136,38 @@ class OwnNames:
         return self.advertised
 
 
+class _NamesSeenFrom:
+    """A worker's :class:`OwnNames` as seen from the connection one request came on. The
+    peer's address is read only for a name that is not the advertised one (reading it
+    costs more than the rest of the check)."""
+
+    __slots__ = ("_remote", "_local", "_frame")
+
+    def __init__(self, remote: OwnNames, local: OwnNames, frame: zmq.Frame) -> None:
+        self._remote, self._local, self._frame = remote, local, frame
+
+    def _view(self) -> OwnNames:
+        return self._local if _from_loopback(self._frame) else self._remote
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._remote or name in self._view()
+
+    def __str__(self) -> str:
+        return str(self._view())
+
+
 def _from_loopback(frame: zmq.Frame) -> bool:
     """Whether ``frame`` came over a connection from a loopback address (this host)."""
     try:
         peer = frame.get("Peer-Address")
     except (zmq.ZMQError, KeyError, ValueError):  # not TCP, or a libzmq without the property
         return False
-    return isinstance(peer, str) and _is_loopback(_norm_host(peer))
+    return isinstance(peer, str) and _is_loopback_peer(peer)
+
+
+@functools.lru_cache(maxsize=256)
+def _is_loopback_peer(address: str) -> bool:
+    return _is_loopback(_norm_host(address))
 
 
 class TokenBucket:
@@ -223,7 +250,7 @@ class SideChannelServer:
             if len(frames) < 2:
                 continue
             ident, payload = frames[0].bytes, frames[-1].bytes
-            out = self._handle(payload, self._local_names if _from_loopback(frames[-1]) else self._names)
+            out = self._handle(payload, _NamesSeenFrom(self._names, self._local_names, frames[-1]))
             if out is None:
                 continue
             try:
@@ -244,7 +271,7 @@ class SideChannelServer:
                         self.host, self.port, code, self.counters[code], message)
         return encode(Error(cid=cid, code=code, message=message))
 
-    def _handle(self, payload: bytes, names: OwnNames) -> bytes | None:
+    def _handle(self, payload: bytes, names: _NamesSeenFrom) -> bytes | None:
         """Reply bytes for one request frame (None: no reply); ``names``: what it may be
         sealed for, as seen from the connection it came on."""
         body, nonce, dest = payload, None, ""
@@ -256,7 +283,7 @@ class SideChannelServer:
                 self.counters["misdirected"] += 1
                 return self._refuse("auth", f"side-channel request misdirected, refused: {exc}. It was captured on "
                                     "its way to another worker and replayed here, or its sender names this worker "
-                                    f"otherwise than it advertises itself: address it as {names.advertised} "
+                                    f"otherwise than it advertises itself: address it as {self._names.advertised} "
                                     "(its side_channel_host and port)")
             except (AuthVersionError, StaleMessageError) as exc:  # the secret is not the problem
                 return self._refuse("auth", f"side-channel request not authenticated: {exc}")
