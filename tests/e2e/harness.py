@@ -321,14 +321,17 @@ def vllm_server(name: str, model: Path, log_dir: Path, cpu: int | None,
     return VllmServer(name=name, cmd=cmd, env=env, log_path=log_dir / f"{name}.log", port=port)
 
 
-def proxy_process(name: str, log_dir: Path, prefill_url: str, decode_url: str,
+def proxy_process(name: str, log_dir: Path, prefill_url: str | list[str], decode_url: str | list[str],
                   prefill_timeout_s: float = 60.0, decode_timeout_s: float = 120.0,
                   extra_args: list[str] | None = None) -> VllmServer:
     """The documented example proxy (examples/disagg_proxy.py), run exactly as a user would
-    (``extra_args``: e.g. ``--flow router`` and its side-channel flags)."""
+    (``extra_args``: e.g. ``--flow router`` and its side-channel flags); a list of URLs
+    gives it several engines of that side (round-robin)."""
     port = free_port()
+    urls = [("--prefill", u) for u in ([prefill_url] if isinstance(prefill_url, str) else prefill_url)]
+    urls += [("--decode", u) for u in ([decode_url] if isinstance(decode_url, str) else decode_url)]
     cmd = [PYTHON, str(REPO / "examples" / "disagg_proxy.py"), "--port", str(port),
-           "--prefill", prefill_url, "--decode", decode_url,
+           *(x for flag_url in urls for x in flag_url),
            "--prefill-timeout", str(prefill_timeout_s), "--decode-timeout", str(decode_timeout_s)]
     cmd += extra_args or []
     return VllmServer(name=name, cmd=cmd, env=base_env(None), log_path=log_dir / f"{name}.log",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 
@@ -124,6 +125,17 @@ def test_host_census_counts_this_hosts_vllm_workers_on_our_cpus():
         os.sched_setaffinity(0, saved)
         # three workers on one core (more may run on this host: other engines can only add)
         assert census.workers >= 3 and census.oversubscribed, census
+        for p in procs:
+            os.kill(p.pid, signal.SIGSTOP)  # stopped (e.g. a benchmark freezing idle engines): competes for nothing
+            os.waitpid(p.pid, os.WUNTRACED)  # returns once the kernel has stopped it
+        try:
+            os.sched_setaffinity(0, {cpu})
+            frozen = host_census()
+            os.sched_setaffinity(0, saved)
+        finally:
+            for p in procs:
+                os.kill(p.pid, signal.SIGCONT)
+        assert frozen.workers <= census.workers - 3, (census, frozen)
     finally:
         os.sched_setaffinity(0, saved)
         for p in procs:
@@ -134,7 +146,7 @@ def test_host_census_counts_this_hosts_vllm_workers_on_our_cpus():
 def test_auto_yield_follows_the_census_and_logs_each_choice_once(caplog):
     calls, censuses = [], iter([HostCensus(1, 1)] * 2 + [HostCensus(3, 2)] * 2 + [HostCensus(2, 2)])
     auto = AutoYield(lambda: calls.append("shipped"), census=lambda: next(censuses), recheck_s=0)
-    with caplog.at_level(logging.INFO, logger="kvtransport_vllm.spin_yield"):
+    with caplog.at_level(logging.INFO, logger="vllm.kvtransport_vllm.spin_yield"):
         for _ in range(5):
             auto()
     # vLLM's own yield while workers <= CPUs; time.sleep(0) (not vLLM's) while oversubscribed

@@ -51,7 +51,9 @@ from dataclasses import dataclass
 __all__ = ["SPIN_YIELD_MODES", "RECHECK_S", "HostCensus", "host_census", "census_of", "sleep_yield",
            "AutoYield", "apply_spin_yield"]
 
-log = logging.getLogger(__name__)
+#: under vLLM's logger, whose handler (set up by vLLM in every engine process) prints INFO: the
+#: choice changes how vLLM's loops behave, so it must show in the engine's own log
+log = logging.getLogger(f"vllm.{__name__}")
 
 #: accepted values of the ``vllm_spin_yield`` setting (the first is the default)
 SPIN_YIELD_MODES = ("auto", "sleep", "sched_yield")
@@ -93,7 +95,8 @@ def census_of(own_cpus: set[int], worker_cpus: list[set[int]]) -> HostCensus:
 def host_census(proc: str = "/proc") -> HostCensus:
     """:func:`census_of` for this host now: this thread's CPU affinity, and each process
     whose command line starts with vLLM's worker title (``/proc/<pid>/cmdline``) with its
-    affinity. A process that ends while it is read is skipped."""
+    affinity. Stopped processes (SIGSTOP: they compete for nothing) and zombies are not
+    counted; a process that ends while it is read is skipped."""
     own = os.sched_getaffinity(0)
     sets = []
     for name in os.listdir(proc):
@@ -103,8 +106,12 @@ def host_census(proc: str = "/proc") -> HostCensus:
             with open(f"{proc}/{name}/cmdline", "rb") as f:
                 if not f.read(len(WORKER_TITLE)).startswith(WORKER_TITLE):
                     continue
+            with open(f"{proc}/{name}/stat", "rb") as f:
+                state = f.read().rpartition(b")")[2].split()[0]  # the field after "(comm)"
+            if state in (b"T", b"t", b"Z", b"X"):
+                continue
             sets.append(os.sched_getaffinity(int(name)))
-        except OSError:  # gone, or not ours to read
+        except (OSError, IndexError):  # gone, or not ours to read
             continue
     return census_of(own, sets)
 
