@@ -27,7 +27,7 @@ Prompts are random token ids, ``--prompt-blocks`` blocks plus one token long: th
 engine loads the prompt's KV and computes only its last token; the reference, asked each
 prompt once with ``max_tokens=1`` first, hits its own prefix cache for the same whole
 blocks and computes the same last token, so both run the same computation and greedy
-tokens compare exactly (bf16 engines included). One request at a time.
+tokens are compared exactly. One request at a time.
 
 Engines are ``python -m vllm.entrypoints.openai.api_server`` (tests/e2e/harness.py, the
 e2e tests' process harness: own process groups, logs in ``--log-dir``, stopped at exit),
@@ -280,6 +280,17 @@ def delta_mean(before: dict[str, float], after: dict[str, float], name: str) -> 
     return ((s1 - s0) / n if n else math.nan), n
 
 
+def load_figures(before: list[dict[str, float]], after: list[dict[str, float]], mode: str) -> tuple[float, float, float]:
+    """(mean load wait ms, mean transfer ms, bytes per load) between two scrapes of the
+    [prefill, decode] engines' metrics: waits are the decode engine's; transfers are
+    counted where they are posted (decode in READ mode, prefill in WRITE mode)."""
+    wait, loads = delta_mean(before[1], after[1], WAIT)
+    side = 1 if mode == "read" else 0
+    xfer, _ = delta_mean(before[side], after[side], XFER_S)
+    moved = hist(after[side], XFER_BYTES)[0] - hist(before[side], XFER_BYTES)[0]
+    return wait * 1e3, xfer * 1e3, (moved / loads if loads else 0.0)
+
+
 @dataclass
 class Compared:
     equal: int
@@ -316,8 +327,8 @@ class Row:
     compared: Compared
     remote_loads: int  # prompts whose KV the decode engine took from the prefill engine
     wait_ms: float  # mean load wait (decode engine)
-    transfer_ms: float  # mean transfer time of one load
-    bytes_per_load: float
+    transfer_ms: float  # mean time of one transfer (a load is one or more)
+    bytes_per_load: float  # bytes moved / loads
     raw_ms: float | None = None  # raw NIXL moving the same ranges
     note: str = ""  # why the case did not run (fails it)
     raw_note: str = ""  # why raw NIXL has no time for it (does not fail it)
@@ -429,12 +440,7 @@ def run_case(case: Case, model: Path, log_dir: Path, args: argparse.Namespace, p
                 print(f"[gpu_e2e] {case.label}: request failed: {type(exc).__name__}: {exc}", flush=True)
             remote += dec.metric(REMOTE_TOKENS[0], **REMOTE_TOKENS[1]) > r0
         after = [pre.metrics(), dec.metrics()]
-        wait, _ = delta_mean(before[1], after[1], WAIT)
-        side = 1 if case.mode == "read" else 0  # transfers are counted where they are posted
-        xfer, _ = delta_mean(before[side], after[side], XFER_S)
-        nbytes, _ = delta_mean(before[side], after[side], XFER_BYTES)
-        return Row(case.label, compare(reference, got), int(remote), wait * 1e3, xfer * 1e3,
-                   0.0 if math.isnan(nbytes) else nbytes)
+        return Row(case.label, compare(reference, got), int(remote), *load_figures(before, after, case.mode))
     finally:
         for s in procs:
             s.stop()

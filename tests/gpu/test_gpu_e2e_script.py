@@ -221,9 +221,11 @@ def test_tokens_compared_with_the_reference(g):
     assert g.compare(ref, [[1, 2], [4, 5, 6], [7, 8, 9]]).diverged == [(0, 2)]  # shorter: differs where it ends
 
 
-def test_load_wait_and_bytes_from_a_real_metrics_endpoint(g, tmp_path):
-    """Two scrapes of a real Prometheus endpoint (prometheus_client, as vLLM serves it), read
-    through the harness: the mean of the observations in between, summed over label sets."""
+def test_load_figures_from_real_metrics_endpoints(g, tmp_path):
+    """Two scrapes of two real Prometheus endpoints (prometheus_client, as vLLM serves them;
+    prefill and decode), read through the harness: the load wait is the decode engine's mean
+    over the loads in between, summed over label sets; transfer time and bytes come from the
+    engine that posts the transfers (decode in READ mode, prefill in WRITE mode)."""
     prom = pytest.importorskip("prometheus_client")
     sys.path.insert(0, str(ROOT))
     try:
@@ -231,22 +233,34 @@ def test_load_wait_and_bytes_from_a_real_metrics_endpoint(g, tmp_path):
         from tests.e2e import harness
     finally:
         sys.path.remove(str(ROOT))
-    reg = prom.CollectorRegistry()
-    wait = prom.Histogram("vllm:kvtransport_remote_kv_wait_seconds", "w", ["engine"], registry=reg)
-    port = free_port_range(1)
-    server, thread = prom.start_http_server(port, addr="127.0.0.1", registry=reg)
+    engines = []
     try:
-        scrape = harness.VllmServer(name="m", cmd=[], env={}, log_path=tmp_path / "m.log", port=port).metrics
-        wait.labels("0").observe(5.0)
-        before = scrape()
-        for v, e in ((0.010, "0"), (0.020, "1"), (0.030, "0")):
-            wait.labels(e).observe(v)
-        mean, n = g.delta_mean(before, scrape(), g.WAIT)
-        assert n == 3 and mean == pytest.approx(0.020)
-        assert math.isnan(g.delta_mean(before, before, g.WAIT)[0])
+        for name in ("prefill", "decode"):
+            reg = prom.CollectorRegistry()
+            hists = {n: prom.Histogram(n, n, ["engine"], registry=reg) for n in (g.WAIT, g.XFER_S, g.XFER_BYTES)}
+            port = free_port_range(1)
+            server, thread = prom.start_http_server(port, addr="127.0.0.1", registry=reg)
+            scrape = harness.VllmServer(name=name, cmd=[], env={}, log_path=tmp_path / f"{name}.log", port=port)
+            engines.append((hists, server, thread, scrape))
+        (pre, *_), (dec, *_) = engines
+        dec[g.WAIT].labels("0").observe(5.0)  # before the first scrape: not counted
+        before = [e[3].metrics() for e in engines]
+        for wait, engine in ((0.010, "0"), (0.020, "1"), (0.030, "0")):
+            dec[g.WAIT].labels(engine).observe(wait)
+        for h in (dec, pre):  # READ transfers on the decode side, WRITE ones on the prefill side
+            for secs, nbytes in ((0.001, 1 << 20), (0.003, 2 << 20), (0.002, 3 << 20)):
+                h[g.XFER_S].labels("0").observe(secs if h is dec else 10 * secs)
+                h[g.XFER_BYTES].labels("0").observe(nbytes if h is dec else 2 * nbytes)
+        after = [e[3].metrics() for e in engines]
+        wait_ms, xfer_ms, per_load = g.load_figures(before, after, "read")
+        assert (wait_ms, xfer_ms, per_load) == (pytest.approx(20.0), pytest.approx(2.0), 2 << 20)
+        wait_ms, xfer_ms, per_load = g.load_figures(before, after, "write")
+        assert (wait_ms, xfer_ms, per_load) == (pytest.approx(20.0), pytest.approx(20.0), 4 << 20)
+        assert math.isnan(g.load_figures(before, before, "read")[0])
     finally:
-        server.shutdown()
-        thread.join(10)
+        for _, server, thread, _ in engines:
+            server.shutdown()
+            thread.join(10)
 
 
 def test_raw_nixl_moves_a_loads_ranges_through_gpu_validate(g, tmp_path):
