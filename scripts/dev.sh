@@ -7,6 +7,11 @@
 #
 # `test` requires the loopback, ucx, nixl and mooncake backends (KVT_REQUIRED_BACKENDS unless
 # set): a test that would skip one of them because it cannot run here fails instead.
+# After the main suite (vLLM 0.32 CPU build, in .venv) it runs tests/vllm033 in a second
+# venv with the official vLLM 0.33 wheel (.venv-vllm033, built by scripts/vllm033_venv.sh,
+# which re-installs only when it or pyproject.toml changed). The pytest options apply to the
+# main suite only. The exit status is non-zero if either run fails or the 0.33 venv cannot
+# be built.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cmd=${1:-}
@@ -78,7 +83,18 @@ case "$cmd" in
     # Backends that must run here: their tests FAIL instead of skipping when they cannot
     # (kvtransport/testing/required.py). Override: KVT_REQUIRED_BACKENDS= (none) or a list.
     export KVT_REQUIRED_BACKENDS="${KVT_REQUIRED_BACKENDS-loopback,ucx,nixl,mooncake}"
-    exec "$VENV/bin/python" -m pytest tests "$@"
+    status=0
+    "$VENV/bin/python" -m pytest tests --ignore=tests/vllm033 "$@" || status=$?
+    # vLLM 0.33's own layout resolution, planner and allocator (tests/vllm033): loopback only.
+    VENV033=${KVT_VENV033:-.venv-vllm033}
+    if scripts/vllm033_venv.sh "$VENV033"; then
+      KVT_REQUIRED_BACKENDS=loopback "$VENV033/bin/python" -m pytest tests/vllm033 -q || status=$?
+    else
+      echo "[dev.sh] FAILED: could not build the vLLM 0.33 test venv $VENV033 (scripts/vllm033_venv.sh);" \
+           "tests/vllm033 did not run" >&2
+      status=1
+    fi
+    exit "$status"
     ;;
   *)
     echo "usage: scripts/dev.sh bench [options] | test [pytest options]" >&2
