@@ -336,9 +336,8 @@ class SideChannelClient:
     that does not answer to that name refuses it, naming both) and remembered (its nonce
     and cid) until its reply arrives; a reply is accepted only if it names that worker,
     is bound to one of those nonces, carries that request's cid, and is the first answer
-    to it. At most
-    ``max_pending`` unanswered requests are remembered (the oldest is forgotten first; a
-    late reply to it is then refused and counted)."""
+    to it. At most ``max_pending`` unanswered requests are remembered (the oldest is
+    forgotten first; a late reply to it is then refused and counted)."""
 
     _cids = itertools.count(1)
 
@@ -368,7 +367,8 @@ class SideChannelClient:
         self.reconnects = 0
         #: replies dropped: not authentic (forged, replayed, bound to no outstanding request
         #: of ours, or the peer refused us), undecodable; ``misbound`` (also counted in
-        #: ``auth``): sealed replies that answer no request of ours still waiting for one
+        #: ``auth``): sealed replies that answer no request of ours still waiting for one,
+        #: or that name another worker than the one we address
         self.counters = {"auth": 0, "malformed": 0, "misbound": 0}
         self._pending: OrderedDict[bytes, int | None] = OrderedDict()  # request nonce -> cid
         self._max_pending = max(1, int(max_pending))
