@@ -381,6 +381,16 @@ def test_old_format_request_refused_with_a_clear_message(server):
     assert not seen and srv.counters["auth"] == 1
 
 
+def test_previous_framing_without_destination_refused_with_a_clear_message(server):
+    """A peer of the previous release (KVTA2: sealed, but naming no destination) gets an
+    unsealed refusal naming the version and the fix; the handler never sees it."""
+    port, srv, seen = server
+    r = decode(_raw(port, b"KVTA2" + os.urandom(8 + 16 + 16) + os.urandom(48)))
+    assert isinstance(r, Error) and r.code == "auth"
+    assert "KVTA2" in r.message and "destination" in r.message and "same kvtransport version" in r.message
+    assert "secret" not in r.message and not seen and srv.counters["auth"] == 1
+
+
 def test_requests_queued_for_a_silent_peer_are_dropped_not_delivered_to_its_restart():
     """ZMQ queues requests to a peer that is down and would deliver them all once it is
     back: a restarted producer would get its predecessor's requests (refused as stale, with
