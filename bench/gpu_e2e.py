@@ -75,6 +75,7 @@ PROMPT_ID_FLOOR = 100  # clear of special tokens at the bottom of most vocabular
 WAIT = "vllm:kvtransport_remote_kv_wait_seconds"
 XFER_S = "vllm:kvtransport_transfer_seconds"
 XFER_BYTES = "vllm:kvtransport_transfer_bytes"
+XFER_BLOCKS = "vllm:kvtransport_transfer_blocks"
 REMOTE_TOKENS = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
 
 
@@ -290,15 +291,17 @@ def delta_mean(before: dict[str, float], after: dict[str, float], name: str) -> 
     return ((s1 - s0) / n if n else math.nan), n
 
 
-def load_figures(before: list[dict[str, float]], after: list[dict[str, float]], mode: str) -> tuple[float, float, float]:
-    """(mean load wait ms, mean transfer ms, bytes per load) between two scrapes of the
-    [prefill, decode] engines' metrics: waits are the decode engine's; transfers are
-    counted where they are posted (decode in READ mode, prefill in WRITE mode)."""
+def load_figures(before: list[dict[str, float]], after: list[dict[str, float]],
+                 mode: str) -> tuple[float, float, float, float]:
+    """(mean load wait ms, mean transfer ms, bytes per load, blocks per load) between two
+    scrapes of the [prefill, decode] engines' metrics: waits are the decode engine's;
+    transfers are counted where they are posted (decode in READ mode, prefill in WRITE mode)."""
     wait, loads = delta_mean(before[1], after[1], WAIT)
     side = 1 if mode == "read" else 0
     xfer, _ = delta_mean(before[side], after[side], XFER_S)
     moved = hist(after[side], XFER_BYTES)[0] - hist(before[side], XFER_BYTES)[0]
-    return wait * 1e3, xfer * 1e3, (moved / loads if loads else 0.0)
+    blocks = hist(after[side], XFER_BLOCKS)[0] - hist(before[side], XFER_BLOCKS)[0]
+    return wait * 1e3, xfer * 1e3, (moved / loads if loads else 0.0), (blocks / loads if loads else 0.0)
 
 
 @dataclass
@@ -339,6 +342,7 @@ class Row:
     wait_ms: float  # mean load wait (decode engine)
     transfer_ms: float  # mean time of one transfer (a load is one or more)
     bytes_per_load: float  # bytes moved / loads
+    blocks_per_load: float = 0.0  # KV blocks moved / loads
     raw_ms: float | None = None  # raw NIXL moving the same ranges
     note: str = ""  # why the case did not run (fails it)
     raw_note: str = ""  # why raw NIXL has no time for it (does not fail it)
@@ -348,9 +352,14 @@ class Row:
         return self.compared.ok and self.remote_loads == self.compared.total and not self.note
 
 
-def load_ranges(bytes_per_load: float, shape: ModelShape, block_size: int) -> tuple[int, int]:
-    """(ranges, bytes each) for raw NIXL to move a load's bytes the way a load is cut: one
-    range per K or V part of a block of a layer."""
+def load_ranges(bytes_per_load: float, blocks_per_load: float, shape: ModelShape,
+                block_size: int) -> tuple[int, int]:
+    """(ranges, bytes each) for raw NIXL to move a load's bytes the way a load is cut on
+    vLLM's GPU layouts: one range per K or V part of a block of a layer. From the measured
+    blocks when known (whatever dtype the engines chose), else from config.json's shape."""
+    if blocks_per_load:
+        count = max(1, round(blocks_per_load * shape.layers * 2))
+        return count, max(1, round(bytes_per_load / count))
     size = shape.range_bytes(block_size)
     return max(1, round(bytes_per_load / size)), size
 
@@ -467,7 +476,7 @@ def raw_nixl_beside(rows: list[Row], cases: list[Case], shape: ModelShape, args:
     for row, case in zip(rows, cases):
         if not row.bytes_per_load:
             continue
-        count, size = load_ranges(row.bytes_per_load, shape, args.block_size)
+        count, size = load_ranges(row.bytes_per_load, row.blocks_per_load, shape, args.block_size)
         if (count, size) not in done:
             out = log_dir / f"raw-nixl-{count}x{size}.json"
             cmd = raw_nixl_command(count, size, out, args.memory)
@@ -499,8 +508,15 @@ def run(args: argparse.Namespace) -> int:
 
     reference_spec, cases = plan(args, gpus, secrets.token_hex(16), lambda: free_port_range(1))
     prompt_set = make_prompts(shape, args.prompts, prompt_len(args))
-    print(f"[gpu_e2e] {gpus} GPU(s); logs in {log_dir}; {len(cases)} cases", flush=True)
-    reference = reference_tokens(reference_spec, model, log_dir, args, prompt_set)
+    print(f"[gpu_e2e] {gpus if args.memory == 'cuda' else 'no'} GPU(s); logs in {log_dir}; {len(cases)} cases",
+          flush=True)
+    from tests.e2e import harness
+
+    try:
+        reference = reference_tokens(reference_spec, model, log_dir, args, prompt_set)
+    except (harness.ServerDied, TimeoutError) as exc:
+        print(f"gpu_e2e: the reference engine did not start: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 1
     rows = []
     for case in cases:
         print(f"[gpu_e2e] {case.label} ...", flush=True)

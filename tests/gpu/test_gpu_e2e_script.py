@@ -237,7 +237,8 @@ def test_load_figures_from_real_metrics_endpoints(g, tmp_path):
     try:
         for name in ("prefill", "decode"):
             reg = prom.CollectorRegistry()
-            hists = {n: prom.Histogram(n, n, ["engine"], registry=reg) for n in (g.WAIT, g.XFER_S, g.XFER_BYTES)}
+            hists = {n: prom.Histogram(n, n, ["engine"], registry=reg)
+                     for n in (g.WAIT, g.XFER_S, g.XFER_BYTES, g.XFER_BLOCKS)}
             port = free_port_range(1)
             server, thread = prom.start_http_server(port, addr="127.0.0.1", registry=reg)
             scrape = harness.VllmServer(name=name, cmd=[], env={}, log_path=tmp_path / f"{name}.log", port=port)
@@ -251,11 +252,13 @@ def test_load_figures_from_real_metrics_endpoints(g, tmp_path):
             for secs, nbytes in ((0.001, 1 << 20), (0.003, 2 << 20), (0.002, 3 << 20)):
                 h[g.XFER_S].labels("0").observe(secs if h is dec else 10 * secs)
                 h[g.XFER_BYTES].labels("0").observe(nbytes if h is dec else 2 * nbytes)
+                h[g.XFER_BLOCKS].labels("0").observe(nbytes >> 16 if h is dec else nbytes >> 15)
         after = [e[3].metrics() for e in engines]
-        wait_ms, xfer_ms, per_load = g.load_figures(before, after, "read")
-        assert (wait_ms, xfer_ms, per_load) == (pytest.approx(20.0), pytest.approx(2.0), 2 << 20)
-        wait_ms, xfer_ms, per_load = g.load_figures(before, after, "write")
-        assert (wait_ms, xfer_ms, per_load) == (pytest.approx(20.0), pytest.approx(20.0), 4 << 20)
+        # 3 loads: 6 MiB in 96 blocks (READ), 12 MiB in 192 blocks (WRITE)
+        got = g.load_figures(before, after, "read")
+        assert got == (pytest.approx(20.0), pytest.approx(2.0), 2 << 20, 32)
+        got = g.load_figures(before, after, "write")
+        assert got == (pytest.approx(20.0), pytest.approx(20.0), 4 << 20, 64)
         assert math.isnan(g.load_figures(before, before, "read")[0])
     finally:
         for _, server, thread, _ in engines:
@@ -267,8 +270,12 @@ def test_raw_nixl_moves_a_loads_ranges_through_gpu_validate(g, tmp_path):
     """The load's bytes cut into K/V ranges; the command is gpu_validate's, and run on CPU
     memory (its self-test) it yields raw NIXL's time for READ and WRITE from its JSON."""
     shape = g.ModelShape(4, 2, 64, "bfloat16", 2, 1000)
-    count, size = g.load_ranges(4 * 2 * 8 * shape.range_bytes(16), shape, 16)  # 8 blocks x 4 layers x K/V
+    nbytes = 4 * 2 * 8 * shape.range_bytes(16)  # 8 blocks x 4 layers x K/V
+    count, size = g.load_ranges(nbytes, 8, shape, 16)
     assert (count, size) == (64, 16 * 2 * 64 * 2)
+    assert g.load_ranges(nbytes, 0, shape, 16) == (count, size)  # blocks not measured: config.json's shape
+    # engines that chose float32 for a bf16 config: the measured blocks give the real range size
+    assert g.load_ranges(2 * nbytes, 8, shape, 16) == (64, 2 * size)
     out = tmp_path / "raw.json"
     cmd = g.raw_nixl_command(count, size, out)
     a = _load(VALIDATE, "gpu_validate").parse_args(cmd[2:])
