@@ -16,7 +16,9 @@ It starts every setup at once (prefill engines confined to CPU 0, decode engines
   the client sends the prefill hop and the decode hop at the same time (see below);
 * ``kvt-ucx``    KVTransportConnector, ucx backend, READ (only when asked for);
 * ``kvt-read-sleep``, ``kvt-write-sleep``  the same with ``vllm_spin_yield: sleep`` (vLLM's
-  wait loops yield with ``time.sleep(0)``; only when asked for);
+  wait loops yield with ``time.sleep(0)``; only when asked for); ``kvt-read-sched``,
+  ``kvt-write-sched`` with ``vllm_spin_yield: sched_yield`` (vLLM's own ``os.sched_yield``,
+  the default before ``auto``; only when asked for);
 * ``example``    vLLM's ExampleConnector (KV through files in a temporary directory);
 * ``nixl``       vLLM's NixlConnector with ``kv_buffer_device: cpu`` (when ``nixl`` is installed);
 
@@ -178,8 +180,12 @@ def make_setup(name: str, model: Path, log_dir: Path) -> Setup:
         server.cmd = ["taskset", "-c", "0"] + server.cmd
         return Setup(name, None, server, False)
     if name.startswith("kvt-"):
-        # "-sleep": vLLM's wait loops yield with time.sleep(0) (vllm_spin_yield: sleep), to compare
-        base, spin = (name[: -len("-sleep")], "sleep") if name.endswith("-sleep") else (name, None)
+        # "-sleep" / "-sched": vLLM's wait loops yield with time.sleep(0) / os.sched_yield
+        # (vllm_spin_yield: sleep / sched_yield) instead of the default auto choice, to compare
+        base, spin = name, None
+        for suffix, mode in (("-sleep", "sleep"), ("-sched", "sched_yield")):
+            if name.endswith(suffix):
+                base, spin = name[: -len(suffix)], mode
         # "-router": both hops sent at once (parallel dispatch), WRITE mode only
         base, router = (base[: -len("-router")], True) if base.endswith("-router") else (base, False)
         modes = {"kvt-read": ("read", "loopback"), "kvt-write": ("write", "loopback"), "kvt-ucx": ("read", "ucx")}

@@ -179,6 +179,11 @@ def test_xpyd_default_settings_match_single_engine_and_counts_add_up(n_p, n_d, m
         assert loads_ok == holds_ok == long_prompts and loads_all == loads_ok, (loads_ok, holds_ok, loads_all,
                                                                                 long_prompts, counts)
         assert refused == 0, counts
+        # one hold per request on the prefill engines: ended ok when loaded, "released" when the
+        # decode engine had nothing to load (a prompt shorter than a block), never otherwise
+        holds = [(side, cause, n) for c in counts.values() for (side, cause), n in c.items() if side == "hold"]
+        assert sum(n for _, _, n in holds) == len(all_prompts), counts
+        assert all(cause in ("ok", "released") for _, cause, _ in holds), counts
         assert all(_outcomes(d, "load", "ok") > 0 for d in decodes), counts
         assert all(_outcomes(p, "hold", "ok") > 0 for p in prefills), counts
         # two workers per core: every engine's processes chose time.sleep(0) (and said so in its log)
