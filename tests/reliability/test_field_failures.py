@@ -219,6 +219,78 @@ def test_stale_blocks_are_refused_and_recomputed_never_served(pairs, trigger, va
 
 
 # ----------------------------------------------------------------------------------------
+# Push mode (WRITE): vllm#48633 rows C1 and C3
+# ----------------------------------------------------------------------------------------
+
+def _front_aligned(src, dst):
+    """Broken variant (vllm#48633 C3): pair the consumer's blocks with the producer's
+    first blocks instead of those at the same prompt positions (a front trim)."""
+    return [list(s[:len(d)]) for s, d in zip(src, dst)], [list(d) for d in dst]
+
+
+def _assert_loaded_its_prompt(pair: Pair, rid: str, prompt: list[int], kv_checks) -> None:
+    assert kv_checks == [[]], f"{rid} ran on KV that is not its prompt's (blocks {kv_checks} differ)"
+    assert pair.C.first_start.get(rid, 0) >= len(prompt) - 1, f"{rid} was recomputed, not loaded"
+
+
+@pytest.mark.parametrize("variant", ["as_built", "broken_front_aligned"])
+def test_push_after_a_partial_prefix_hit_fills_only_the_uncached_tail(pairs, monkeypatch, variant):
+    """vllm#48633 C3: the decode engine has the first two blocks of the prompt in its
+    prefix cache, so it asks only for the rest; the producer must write its blocks at
+    those same prompt positions into them (not its first blocks)."""
+    import kvtransport_vllm.producer as producer_module
+
+    pair = pairs("write", policy="recompute", timeout_s=5.0, lease_s=10.0, p_extra=LOOP, c_extra=LOOP)
+    prompt = prompt_of(56, seed=9)  # blocks of 16: 3 full and a partial one
+    warm = prompt[:32] + prompt_of(20, seed=10)  # shares the first two blocks only
+    pair.C.add("warm", warm, 1, None)
+    pair.run(lambda: pair.C.status("warm") is None)
+    for blk in pair.C.scheduler.kv_cache_manager.block_pool.blocks:  # no stale copy of the tail
+        if blk.block_hash is None:
+            for t in pair.C.kv_caches.values():
+                t[blk.block_id].zero_()
+    if variant.startswith("broken"):
+        monkeypatch.setattr(producer_module, "align_tails", _front_aligned)
+    params = pair.prefill("p1", prompt)
+    n = len(pair.C.kv_outputs)
+    pair.C.add("c1", prompt, 2, params)
+    kv_checks = pair.run_to_end_checking_kv("c1", prompt)
+    moved = sum(o.kv_connector_stats.data["bytes"] for o in pair.P.kv_outputs if o.kv_connector_stats)
+    assert moved == 2 * 2 * (2 * 16 * 128 * 4), "precondition: not a partial hit (two blocks, two layers)"
+    assert not any(o.invalid_block_ids for o in pair.C.kv_outputs[n:])
+    if variant == "as_built":
+        _assert_loaded_its_prompt(pair, "c1", prompt, kv_checks)
+    else:
+        with pytest.raises(AssertionError, match="not its prompt's"):
+            _assert_loaded_its_prompt(pair, "c1", prompt, kv_checks)
+    pair.drain()
+    pair.assert_no_leak()
+
+
+def test_abort_while_the_push_is_in_flight_broken_ack_is_caught(pairs, monkeypatch):
+    """vllm#48633 C1 (the decode engine aborts while the producer's write is in flight):
+    recreated by ``tests/vllm/test_stale_write_race.py::test_consumer_cancel_while_post_
+    blocks_is_not_acked_and_nothing_lands_in_freed_blocks``. Here its broken variant: a
+    producer that acknowledges the cancel while its write is being posted. That test's own
+    checks must then fail (the write lands in blocks handed back to vLLM)."""
+    import kvtransport_vllm.producer as producer_module
+    from test_stale_write_race import test_consumer_cancel_while_post_blocks_is_not_acked_and_nothing_lands_in_freed_blocks \
+        as abort_while_post_blocks
+
+    real = producer_module.Producer.answer_give_up
+
+    def acks_during_post(self, key, now, rank=-1, readers=1):
+        h = self.holds.get(key)
+        if h is not None and h.write_in_flight:
+            return "acked"  # the field's bug: no write of ours may land... while one may
+        return real(self, key, now, rank, readers)
+
+    monkeypatch.setattr(producer_module.Producer, "answer_give_up", acks_during_post)
+    with pytest.raises(AssertionError, match="landed in consumer blocks|freed its blocks|acked"):
+        abort_while_post_blocks(pairs)
+
+
+# ----------------------------------------------------------------------------------------
 # One of several pieces fails while its siblings are in flight: vllm#56104
 # ----------------------------------------------------------------------------------------
 
@@ -311,7 +383,7 @@ def test_write_the_producer_cannot_post_ends_the_load_at_once(pairs, caplog, mon
     if variant == "as_built":
         check()
     else:
-        with pytest.raises(AssertionError):
+        with pytest.raises(AssertionError, match="before the deadline|only after its deadline"):
             check()
         pair.drain()
         pair.assert_no_leak()
