@@ -95,7 +95,7 @@ def yield_gil() -> None:
     woken on another core to take the GIL, and the scheduler does not penalise it.
     ``os.sched_yield()`` (0.6 us) moved as many bytes in the same bench, but the EEVDF
     scheduler charges a yielding thread a whole time slice, which starved vLLM's processes
-    for seconds (docs/VLLM.md, "Busy-wait yield"). A spinning caller sees the end of a
+    for seconds (docs/vllm/USAGE.md, "Busy-wait yield"). A spinning caller sees the end of a
     transfer at most one sleep late.
     """
     time.sleep(0)

@@ -6,7 +6,7 @@ child process). Every test checks what a user would check: the exact bytes arriv
 nothing else changed, the notification came once, a dead peer fails the transfer
 within its deadline, bad input is refused with a typed error before any byte moves.
 
-Invariants named (see ``docs/RELIABILITY.md``): T1 exactly once, T2 bounded by the
+Invariants named (see ``docs/LIFECYCLE.md``): T1 exactly once, T2 bounded by the
 deadline, T3 quiesced before reuse, T4 validated before posting.
 """
 

@@ -95,7 +95,7 @@ def baseline(tiny_model, vocab_size, log_dir) -> dict[tuple[int, ...], list[int]
 
 # --------------------------------------------------------------------------- pairs
 def connector_config(role: str, mode: str, backend: str, side_port: int) -> dict:
-    """``--kv-transfer-config`` for one engine (keys: docs/VLLM.md).
+    """``--kv-transfer-config`` for one engine (keys: docs/vllm/USAGE.md).
 
     The connector is found by name through kvtransport's ``vllm.general_plugins``
     entry point -- as a user's install would find it -- so no module path is given.

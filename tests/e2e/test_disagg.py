@@ -137,7 +137,7 @@ def test_greedy_matches_single_engine_and_kv_is_remote(pair, baseline, vocab_siz
         if got != want:
             mismatches.append((len(p), got, want))
         # A prompt shorter than one KV block has no full block to move: the connector
-        # documents that the decode engine computes it (docs/VLLM.md). Every longer
+        # documents that the decode engine computes it (docs/vllm/USAGE.md). Every longer
         # prompt must come from the prefill engine.
         if len(p) >= BLOCK_SIZE and row["remote"] <= 0:
             not_remote.append(row)

@@ -3,7 +3,7 @@
 ``kv_transfer_config = {"kv_connector": "KVTransportConnector", "kv_role": ..., 
 "kv_connector_extra_config": {...}}``; registered through the ``vllm.general_plugins``
 entry point, or use ``"kv_connector_module_path": "kvtransport_vllm.connector"``.
-See docs/VLLM.md.
+See docs/vllm/USAGE.md.
 """
 
 __all__ = ["KVTransportConnector"]

@@ -63,7 +63,7 @@ class LayoutInfo(msgspec.Struct, frozen=True):
     #: per layer: [(region id, base offset), ...] and the block stride (this agent's ids)
     part_regions: list[list[tuple[int, int]]] = []
     block_stride: list[int] = []
-    #: identity and geometry compared at the hand-shake (docs/VLLM.md, Compatibility
+    #: identity and geometry compared at the hand-shake (docs/vllm/USAGE.md, Compatibility
     #: check); "" / 0: not known (a worker built without a model config, e.g. by tools)
     model: str = ""  # the served model name (what a router sends to both engines)
     model_dtype: str = ""  # the model's dtype (``dtype`` above is the KV cache's)

@@ -45,7 +45,7 @@ class KVTransferParamsError(ValueError):
         self.peer, self.key = peer, key
         fix = ("; the router must forward the producer's kv_transfer_params to the decode engine (at least "
                "do_remote_prefill, remote_host, remote_port, remote_engine_id, remote_request_id and, in READ "
-               "mode, remote_block_ids; see docs/VLLM.md, Routers)")
+               "mode, remote_block_ids; see docs/vllm/ROUTERS.md)")
         super().__init__(f"request {request_id}: kv_transfer_params cannot be loaded from: {problem}{fix}")
 
 

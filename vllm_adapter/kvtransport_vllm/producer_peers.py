@@ -4,7 +4,7 @@ compatibility check (:mod:`.compat`) of the producer's KV cache against ours bef
 byte may move.
 
 Ports: a producer advertises the base port of its DP rank (``remote_port``); its TP rank
-*q* listens on that + *q* (docs/VLLM.md, Data parallel). Which *q* a consumer rank talks
+*q* listens on that + *q* (docs/vllm/USAGE.md, Data parallel). Which *q* a consumer rank talks
 to is decided by :mod:`.tp_mapping` (equal TP sizes: our own rank).
 
 Engine thread only (the consumer's advance and reply polling).

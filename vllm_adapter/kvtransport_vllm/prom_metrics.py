@@ -6,7 +6,7 @@ from ``get_kv_connector_stats`` aggregated over TP ranks (schema:
 :func:`.load_stats.new_stats`). Labels are vLLM's own (model name, engine index) plus the
 connector's ``backend`` and ``mode``, so one dashboard serves every backend.
 
-Series (docs/VLLM.md, "Metrics"):
+Series (docs/vllm/USAGE.md, "Metrics"):
 
 * ``vllm:kvtransport_transfer_seconds`` / ``_transfer_bytes`` / ``_transfer_blocks`` —
   histograms per transfer (READ on the decode side, WRITE on the prefill side);

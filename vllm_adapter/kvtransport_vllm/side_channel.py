@@ -13,7 +13,7 @@ cache. So every request and every reply is sealed with the cluster secret
 the secret; channel, direction, timestamp and nonce authenticated; replays and stale
 messages refused): a tap on the path sees ciphertext only. Each request is sealed for
 the worker it addresses, named by its side-channel endpoint (:func:`endpoint_name`: the
-advertised host and the port, which is the worker's DP and TP rank, docs/VLLM.md); a
+advertised host and the port, which is the worker's DP and TP rank, docs/vllm/USAGE.md); a
 server opens only requests sealed for one of its own names (:class:`OwnNames`), so a
 request captured on its way to one worker and replayed to another is refused and
 counted (``misdirected``, also in ``auth``). Each reply names the same worker and is
