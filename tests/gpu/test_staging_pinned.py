@@ -8,15 +8,29 @@ device call, which needs a CUDA runtime and so cannot run here. What runs here: 
 computation, the one-allocation layout, the log line, and what ``pin_host_buffer`` asks
 of the CUDA runtime (given a recording stand-in of ``torch.cuda.cudart()``: the real one
 exists only on a CUDA host, where tests/gpu/test_staging.py checks the mirror is pinned).
+A device cache's copies go through a fixed pinned scratch in the same allocation (so the
+pinned total is known at start-up): its sizing and slot reuse run here with host fences.
 """
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 
 torch = pytest.importorskip("torch")
 from kvtransport_vllm.config import ConnectorConfigError  # noqa: E402
 from kvtransport_vllm.kv_layout import describe_kv_caches  # noqa: E402
-from kvtransport_vllm.staging import MIRROR_ALIGN, HostStaging, pin_host_buffer, plan_mirrors  # noqa: E402
+from kvtransport_vllm.staging import (  # noqa: E402
+    MIRROR_ALIGN,
+    SCRATCH_BYTES,
+    SCRATCH_SLOTS,
+    HostFence,
+    HostStaging,
+    PinnedSlots,
+    pin_host_buffer,
+    plan_mirrors,
+    scratch_slot_bytes,
+)
 
 NB = 8
 
@@ -121,3 +135,52 @@ def test_a_cpu_engines_mirror_is_not_pinned():
     st = HostStaging(describe_kv_caches(caches, NB), pin=lambda buf: calls.append(buf) or (lambda: None))
     assert calls == [] and not st.on_device
     st.close()
+
+
+# -- the copy scratch (a device cache only): bounded, reused once its copies are done ------
+def test_scratch_slots_come_from_the_budget_and_hold_at_least_one_block():
+    assert scratch_slot_bytes(64 << 10, 10 << 30) == SCRATCH_BYTES // SCRATCH_SLOTS  # a large cache: the budget
+    assert scratch_slot_bytes(64 << 10, 1 << 20) == (1 << 20) // SCRATCH_SLOTS  # never more than the mirror
+    assert scratch_slot_bytes(3 << 20, 1 << 20) == 3 << 20  # a slot holds the largest layer's block
+    assert scratch_slot_bytes(5000, 4000) == 8192  # page-aligned
+
+
+class CopyInFlight:
+    """A device copy not done yet; done when waited for (records whether that wait ran
+    inside the sync-check exemption)."""
+
+    def __init__(self, inside) -> None:
+        self.done, self.inside, self.waited_inside = False, inside, None
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited_inside = self.inside[0]
+        self.done = True
+
+
+def test_a_slot_is_reused_only_once_its_copies_are_done_and_their_rows_scattered():
+    inside = [False]
+
+    @contextlib.contextmanager
+    def allowed():
+        inside[0] = True
+        yield
+        inside[0] = False
+
+    buf = torch.zeros(2 * 4096, dtype=torch.uint8)
+    slots = PinnedSlots(buf, 2, allowed)
+    settled = []
+    a = slots.take()
+    slow = CopyInFlight(inside)
+    slots.give_back(a, slow, lambda: settled.append("a"))
+    b = slots.take()
+    slots.give_back(b, HostFence(done=True), lambda: settled.append("b"))
+    assert (a, b) == (0, 1) and settled == []
+    assert slots.take() == 0  # slot a again: its copy was waited for first, then its rows settled
+    assert slow.done and slow.waited_inside is True and settled == ["a"]
+    slots.drain()
+    assert settled == ["a", "b"]  # b's copy was done: settled without a wait
+    rows = slots.rows(1, (2, 3), torch.float32)
+    assert rows.shape == (2, 3) and rows.data_ptr() == buf.data_ptr() + 4096  # the start of slot 1

@@ -39,7 +39,10 @@ per-layer mirror both multiplied host memory and, copied back with every group's
 wrote rows the transport never filled over another group's blocks. All ranges live in
 one exact-size host allocation, page-locked in place (:func:`pin_host_buffer`) rather
 than taken from torch's pinned allocator, which rounds each allocation up to a power of
-two and keeps it.
+two and keeps it. With a device cache the same allocation ends with a fixed pinned
+scratch (:class:`PinnedSlots`, ``SCRATCH_BYTES`` at most) that every device copy goes
+through in slot-sized runs of blocks, so the pinned memory is known at start-up whatever
+a step moves; a step moving more than the scratch holds waits for its oldest slot.
 
 Deliberate waits for the device (``before_send``) run inside vLLM's ``gpu_sync_allowed()``
 when vLLM has it, so ``VLLM_GPU_SYNC_CHECK=error`` does not fail the step on them; every
@@ -55,6 +58,7 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 from .config import ConnectorConfigError
@@ -65,13 +69,19 @@ log = logging.getLogger(__name__)
 
 __all__ = ["KVDevice", "HostKV", "DirectDeviceKV", "HostStaging", "make_kv_device", "current_stream_of",
            "Fence", "HostFence", "DeviceFence", "MirrorPlan", "MirrorRange", "plan_mirrors",
-           "pin_host_buffer", "merge_group_ids", "vllm_sync_allowed"]
+           "pin_host_buffer", "merge_group_ids", "vllm_sync_allowed", "PinnedSlots", "scratch_slot_bytes",
+           "row_bytes"]
 
 #: Where each distinct range starts in the host allocation: a page boundary (any dtype's
 #: alignment, and what DMA engines like)
 MIRROR_ALIGN = 4096
 #: cudaHostRegisterPortable: the pages count as pinned for every CUDA context of the process
 _HOST_REGISTER_PORTABLE = 1
+#: Pinned scratch the device copies go through (a device cache only), in this many slots:
+#: a slot is reused once the copies that used it are done, so at most this much is in
+#: flight; a step that moves more waits for its oldest slot (inside vLLM's exemption)
+SCRATCH_BYTES = 256 << 20
+SCRATCH_SLOTS = 4
 
 
 # ------------------------------------------------------------------ vLLM's sync check
@@ -242,6 +252,67 @@ def _release(unpin: Callable[[], None] | None, buf: Any) -> None:
     del buf
 
 
+def row_bytes(t: Any, block_dim: int) -> int:
+    """Bytes of one block of ``t`` gathered densely (what ``index_select`` of one id makes)."""
+    return int(t.numel() // max(1, t.shape[block_dim])) * t.element_size()
+
+
+def scratch_slot_bytes(max_row: int, mirrored: int, budget: int = SCRATCH_BYTES, slots: int = SCRATCH_SLOTS,
+                       align: int = MIRROR_ALIGN) -> int:
+    """One scratch slot's size: the budget (no more than the mirror) split in ``slots``,
+    never less than one block of the largest layer, page-aligned."""
+    per = max(max_row, min(budget, mirrored) // slots)
+    return -(-per // align) * align
+
+
+class PinnedSlots:
+    """Pinned scratch cut into slots handed out in turn. A slot is given back with the
+    fence of the copies that use it (and what to do once they are done, e.g. scatter the
+    rows a device -> host copy brought); taking it again first settles that, waiting for
+    the fence inside ``sync_allowed`` if it is not ready yet."""
+
+    def __init__(self, buf: Any, slots: int, sync_allowed: Callable[[], AbstractContextManager[Any]]) -> None:
+        size = buf.numel() // slots
+        self._slots = [buf[i * size:(i + 1) * size] for i in range(slots)]
+        self._busy: list[tuple[Fence, Callable[[], None] | None] | None] = [None] * slots
+        self._next = 0
+        self._sync_allowed = sync_allowed
+        self.slot_bytes = size
+
+    def take(self) -> int:
+        i = self._next
+        self._next = (i + 1) % len(self._slots)
+        self._settle(i)
+        return i
+
+    def rows(self, i: int, shape: Sequence[int], dtype: Any) -> Any:
+        """A dense tensor of ``shape`` at the start of slot ``i``."""
+        n = 1
+        for d in shape:
+            n *= int(d)
+        return self._slots[i].view(dtype)[:n].view(tuple(shape))
+
+    def give_back(self, i: int, fence: Fence, then: Callable[[], None] | None = None) -> None:
+        self._busy[i] = (fence, then)
+
+    def drain(self) -> None:
+        """Settle every slot (waiting where needed)."""
+        for i in range(len(self._slots)):
+            self._settle(i)
+
+    def _settle(self, i: int) -> None:
+        busy = self._busy[i]
+        if busy is None:
+            return
+        fence, then = busy
+        if not fence.query():
+            with self._sync_allowed():
+                fence.synchronize()
+        self._busy[i] = None
+        if then is not None:
+            then()
+
+
 # ------------------------------------------------------------------ the device policies
 class KVDevice:
     """The two ordering points between the transport and the device (base: no-ops)."""
@@ -329,11 +400,15 @@ class HostStaging(KVDevice):
         self.device = dev
         self.on_device = dev.type != "cpu"
         self.mirror = plan_mirrors(layers)
-        #: the one host allocation every layer's mirror view lies in (exactly the plan's
-        #: size: allocated unpinned, then page-locked in place)
-        self.buffer = torch.empty(self.mirror.total_bytes, dtype=torch.uint8, device="cpu")
+        slot = scratch_slot_bytes(max(row_bytes(lm.tensor, lm.block_dim) for lm in layers),
+                                  self.mirror.mirrored_bytes) if self.on_device else 0
+        #: the one host allocation: every layer's mirror view, then (device cache) the
+        #: scratch slots; exactly this size, allocated unpinned, then page-locked in place
+        self.buffer = torch.empty(self.mirror.total_bytes + slot * SCRATCH_SLOTS, dtype=torch.uint8, device="cpu")
         unpin = pin(self.buffer) if self.on_device else None
         self._finalizer = weakref.finalize(self, _release, unpin, self.buffer)
+        self._slots = PinnedSlots(self.buffer[self.mirror.total_bytes:], SCRATCH_SLOTS,
+                                  self._sync_allowed) if self.on_device else None
         self.host: list[Any] = [self._host_view(i, lm) for i, lm in enumerate(layers)]
         #: layers actually copied: a view repeated in one group (KV sharing layers) once
         seen: set[tuple[Any, ...]] = set()
@@ -343,7 +418,7 @@ class HostStaging(KVDevice):
             if key not in seen:
                 seen.add(key)
                 self._copy.append(i)
-        self.nbytes = self.mirror.total_bytes
+        self.nbytes = int(self.buffer.numel())
 
     def _host_view(self, i: int, lm: LayerMem) -> Any:
         t = lm.tensor
@@ -394,52 +469,57 @@ class HostStaging(KVDevice):
                 work.append((self.layers[i], self.host[i], *ids_of[g]))
         return work, [h for h, _ in ids_of.values()]
 
-    def _pinned_like(self, t: Any, dim: int, n: int) -> Any:
-        shape = list(t.shape)
-        shape[dim] = n
-        return self._torch.empty(shape, dtype=t.dtype, device="cpu", pin_memory=True)
+    def _chunks(self, h: Any, dim: int, ids: Any, ids_dev: Any) -> Iterable[tuple[Any, Any, list[int]]]:
+        """``ids`` in runs whose rows fit one scratch slot: (host ids, device ids, rows' shape)."""
+        assert self._slots is not None
+        per = max(1, self._slots.slot_bytes // row_bytes(h, dim))
+        n = int(ids.numel())
+        for a in range(0, n, per):
+            shape = list(h.shape)
+            shape[dim] = min(per, n - a)
+            yield ids[a:a + per], ids_dev[a:a + per], shape
 
     def before_send(self, block_ids: Sequence[int], group_sizes: Sequence[int] = ()) -> None:
         """Device -> host for ``block_ids``: gather on the device (enqueued on the current
-        stream, so after the forward that wrote them), copy into pinned rows, wait for that
-        (the hold is offered right after: a deliberate wait), then scatter into the mirror."""
+        stream, so after the forward that wrote them), copy into a pinned scratch slot, and
+        once that copy is done scatter the rows into the mirror; returns when every slot is
+        settled (the hold is offered right after: a deliberate wait)."""
         work, _ = self._work(block_ids, group_sizes)
         if not work:
             return
-        if not self.on_device:
+        if self._slots is None:
             for lm, h, ids, _ in work:
                 h.index_copy_(lm.block_dim, ids, lm.tensor.index_select(lm.block_dim, ids))
             return
-        staged = []
+        slots, stream = self._slots, self._stream_of(self.device)
         for lm, h, ids, ids_dev in work:
-            rows = lm.tensor.index_select(lm.block_dim, ids_dev)
-            host_rows = self._pinned_like(rows, lm.block_dim, int(ids.numel()))
-            host_rows.copy_(rows, non_blocking=True)
-            staged.append((lm, h, ids, host_rows))
-        fence = DeviceFence(self._stream_of(self.device))
-        with self._sync_allowed():
-            fence.synchronize()
-        for lm, h, ids, host_rows in staged:
-            h.index_copy_(lm.block_dim, ids, host_rows)
+            for hid, did, shape in self._chunks(h, lm.block_dim, ids, ids_dev):
+                i = slots.take()
+                rows = slots.rows(i, shape, h.dtype)
+                rows.copy_(lm.tensor.index_select(lm.block_dim, did), non_blocking=True)
+                slots.give_back(i, DeviceFence(stream), partial(h.index_copy_, lm.block_dim, hid, rows))
+        slots.drain()
 
     def after_receive(self, block_ids: Sequence[int], group_sizes: Sequence[int] = ()) -> Fence:
-        """Host -> device for ``block_ids``: gather the mirror's rows into pinned memory and
-        enqueue their copy and scatter on the device's current stream; the fence is an event
-        recorded after them (a CPU cache: copied now, the fence is ready)."""
+        """Host -> device for ``block_ids``: gather the mirror's rows into a pinned scratch
+        slot and enqueue their copy and scatter on the device's current stream; the fence is
+        an event recorded after the last of them (a CPU cache: copied now, the fence is ready)."""
         work, keep = self._work(block_ids, group_sizes)
-        if not self.on_device:
+        if self._slots is None:
             for lm, h, ids, _ in work:
                 lm.tensor.index_copy_(lm.block_dim, ids, h.index_select(lm.block_dim, ids))
             return HostFence(done=True)
-        if not work:
-            return HostFence(done=True)
-        torch = self._torch
+        fence: Fence = HostFence(done=True)
+        slots, stream, torch = self._slots, self._stream_of(self.device), self._torch
         for lm, h, ids, ids_dev in work:
-            rows = self._pinned_like(h, lm.block_dim, int(ids.numel()))
-            torch.index_select(h, lm.block_dim, ids, out=rows)
-            lm.tensor.index_copy_(lm.block_dim, ids_dev, rows.to(self.device, non_blocking=True))
-            keep.append(rows)
-        return DeviceFence(self._stream_of(self.device), keep)
+            for hid, did, shape in self._chunks(h, lm.block_dim, ids, ids_dev):
+                i = slots.take()
+                rows = slots.rows(i, shape, h.dtype)
+                torch.index_select(h, lm.block_dim, hid, out=rows)
+                lm.tensor.index_copy_(lm.block_dim, did, rows.to(self.device, non_blocking=True))
+                fence = DeviceFence(stream, keep)
+                slots.give_back(i, fence)
+        return fence
 
     def close(self) -> None:
         self._finalizer()
@@ -447,10 +527,11 @@ class HostStaging(KVDevice):
     def describe(self) -> str:
         m = self.mirror
         pinned = "pinned " if self.on_device else ""
-        return (f"host staging (kv_buffer_device=cpu): {self.nbytes / 2**20:.1f} MiB ({self.nbytes} bytes) "
-                f"{pinned}host mirror of the "
-                f"{self.device} KV cache, one allocation for {len(m.ranges)} distinct device byte range(s) of "
-                f"{len(self.layers)} layers")
+        scratch = (f" and {self._slots.slot_bytes * SCRATCH_SLOTS / 2**20:.1f} MiB of copy scratch"
+                   if self._slots is not None else "")
+        return (f"host staging (kv_buffer_device=cpu): {self.nbytes / 2**20:.1f} MiB ({self.nbytes} bytes) of "
+                f"{pinned}host memory in one allocation: a mirror of the {self.device} KV cache's "
+                f"{len(m.ranges)} distinct device byte range(s) of {len(self.layers)} layers{scratch}")
 
 
 def make_kv_device(layers: list[LayerMem], kv_buffer_device: str, layer_group: Sequence[int] = ()) -> KVDevice:
