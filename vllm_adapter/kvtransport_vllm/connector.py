@@ -42,6 +42,13 @@ try:  # vLLM >= 0.32 reports failed receives by request id too
 except ImportError:  # pragma: no cover - older layouts
     KVConnectorTransferResults = None  # type: ignore[assignment,misc]
 
+try:  # where hits come from, on vLLM's /metrics (connector prefix-cache hits by source)
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    _P2P_SOURCE: Any = CacheHitSource.P2P
+except (ImportError, AttributeError):  # pragma: no cover - vLLM without hit sources
+    _P2P_SOURCE = None
+
 try:  # hybrid KV cache manager interface (request_finished_all_groups)
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 except ImportError:  # pragma: no cover - layouts without HMA: plain mixin, same method
@@ -79,6 +86,10 @@ def _model_info(vllm_config: VllmConfig) -> Any:
 
 
 class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
+    # Loaded tokens come from a peer engine's KV cache.
+    if _P2P_SOURCE is not None:
+        _cache_hit_source = _P2P_SOURCE
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
         self.cfg = ConnectorConfig.from_vllm(vllm_config)
@@ -99,6 +110,9 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
                 "layers are all attention layers."
             )
         groups = group_infos(kv_cache_config)
+        #: layers of the groups moved (None: no config, every layer)
+        self._moved_layers = {n for g in groups for n in g.layers} if groups else None
+        self._loaded_groups = tuple(g.index for g in groups) or (0,)
         ktc = vllm_config.kv_transfer_config
         if self.cfg.load_failure_policy is not None:
             # The scheduler reads kv_load_failure_policy right after building us.
@@ -169,11 +183,13 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler.update_connector_output(connector_output)
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
-        # We transfer the request's own blocks of every group we accept (one group).
-        return tuple(range(len(self._kv_cache_config.kv_cache_groups))) if self._kv_cache_config else (0,)
+        # We transfer the request's own blocks of every transferable group.
+        return self._loaded_groups
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        if self._moved_layers is not None:  # groups vLLM does not transfer stay unregistered
+            kv_caches = {n: t for n, t in kv_caches.items() if n in self._moved_layers}
         self._worker.register_kv_caches(kv_caches)
 
     def _meta(self) -> KVTransportMetadata | None:

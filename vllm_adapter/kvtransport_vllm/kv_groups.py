@@ -12,6 +12,12 @@ On the wire and in the worker metadata the ids of all groups travel as one flat 
 ``group_sizes`` (how many ids belong to each group, in group order). A model with one
 group has ``group_sizes == []`` and is handled exactly as before.
 
+Only the groups vLLM marks transferable are moved (``KVCacheConfig.transfer_group_ids``
+where the attribute exists; every group otherwise): a group vLLM rebuilds from another one
+after a connector load (``enable_kv_transfer=False``) is neither registered nor paired, and
+:class:`GroupInfo` keeps each moved group's index in vLLM's group order so the per-group
+block ids vLLM hands over can be selected (:func:`select`).
+
 Group kinds that are not per-token KV blocks (Mamba / SSM state, chunked local attention,
 cross attention, ...) cannot be moved as blocks correctly and are refused at start
 (:func:`check_group_kinds`).
@@ -25,8 +31,8 @@ from typing import Any
 
 NULL_BLOCK = 0  # vLLM's BlockPool reserves block 0 as the null block
 
-__all__ = ["NULL_BLOCK", "GroupInfo", "group_infos", "check_group_kinds", "flatten", "split",
-           "pair_by_position", "clip_windows", "align_tails"]
+__all__ = ["NULL_BLOCK", "GroupInfo", "group_infos", "check_group_kinds", "transfer_group_ids", "select",
+           "flatten", "split", "pair_by_position", "clip_windows", "align_tails"]
 
 
 @dataclass(frozen=True)
@@ -36,10 +42,34 @@ class GroupInfo:
     layers: tuple[str, ...]
     #: blocks a sliding-window group needs at the end of a sequence (0: every block)
     window_blocks: int = 0
+    #: the group's index in vLLM's ``kv_cache_groups`` (its block ids' index in what vLLM
+    #: hands the connector)
+    index: int = 0
 
 
 def _kind_name(spec: Any) -> str:
     return type(spec).__name__
+
+
+def transfer_group_ids(kv_cache_config: Any) -> tuple[int, ...]:
+    """The indexes of the groups to move: vLLM's ``transfer_group_ids`` where the config has
+    it (groups with ``enable_kv_transfer``), else every group."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    ids = getattr(kv_cache_config, "transfer_group_ids", None)
+    return tuple(int(i) for i in ids) if ids is not None else tuple(range(len(groups)))
+
+
+def _transfer_groups(kv_cache_config: Any) -> list[tuple[int, Any]]:
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    return [(i, groups[i]) for i in transfer_group_ids(kv_cache_config)]
+
+
+def select(per_group: Sequence[Sequence[int]], groups: Sequence[GroupInfo]) -> list[list[int]]:
+    """The block ids of the moved groups out of vLLM's ids of every group (no group info:
+    all of them)."""
+    if not groups:
+        return [list(ids) for ids in per_group]
+    return [list(per_group[g.index]) for g in groups]
 
 
 def check_group_kinds(kv_cache_config: Any) -> list[str]:
@@ -52,7 +82,7 @@ def check_group_kinds(kv_cache_config: Any) -> list[str]:
         MLAAttentionSpec = FullAttentionSpec  # noqa: N806
     movable = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec)
     errors = []
-    for g in getattr(kv_cache_config, "kv_cache_groups", None) or []:
+    for _, g in _transfer_groups(kv_cache_config):
         spec = g.kv_cache_spec
         if type(spec) not in movable:
             errors.append(f"{_kind_name(spec)} (layers {', '.join(g.layer_names[:4])}"
@@ -61,17 +91,17 @@ def check_group_kinds(kv_cache_config: Any) -> list[str]:
 
 
 def group_infos(kv_cache_config: Any) -> list[GroupInfo]:
-    """The groups of ``kv_cache_config`` in vLLM's group order (empty: no config)."""
+    """The groups of ``kv_cache_config`` to move, in vLLM's group order (empty: no config)."""
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
     out = []
-    for g in getattr(kv_cache_config, "kv_cache_groups", None) or []:
+    for index, g in _transfer_groups(kv_cache_config):
         spec = g.kv_cache_spec
         window = 0
         if isinstance(spec, SlidingWindowSpec) and spec.sliding_window:
             # the window's tokens span at most ceil(window / block) + 1 blocks
             window = -(-int(spec.sliding_window) // int(spec.block_size)) + 1
-        out.append(GroupInfo(tuple(g.layer_names), window))
+        out.append(GroupInfo(tuple(g.layer_names), window, index))
     return out
 
 

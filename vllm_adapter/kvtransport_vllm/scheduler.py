@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .config import ConnectorConfig, rank_port
-from .kv_groups import GroupInfo, clip_windows, flatten, pair_by_position
+from .kv_groups import GroupInfo, clip_windows, flatten, pair_by_position, select
 from .messages import HoldJob, KVTransportMetadata, PeerNotice, RecvJob
 from .params import KVTransferParamsError, RemoteSource, parse_remote_source
 from .routing import parse_router_request_id, producer_key
@@ -33,8 +33,13 @@ class KVTransportScheduler:
     def __init__(self, cfg: ConnectorConfig, block_size: int, tp_size: int = 1, dp_rank: int = 0,
                  groups: list[GroupInfo] | None = None) -> None:
         self.cfg = cfg
-        #: KV cache groups (hybrid models: more than one; kv_groups.py)
+        #: KV cache groups moved (hybrid models: more than one; vLLM's non-transferable
+        #: groups left out; kv_groups.py)
         self.groups = groups or []
+        #: vLLM's index of the group whose blocks count a local prefix hit: the first moved
+        #: full-attention group (a sliding-window group's null blocks are not cached ones)
+        self._g0 = next((g.index for g in self.groups if not g.window_blocks),
+                        self.groups[0].index if self.groups else 0)
         self.block_size = block_size
         self.tp_size = tp_size
         #: the base port of this DP rank's workers, advertised as ``remote_port``: worker
@@ -111,12 +116,12 @@ class KVTransportScheduler:
                                                      src.remote_tp if src else 0))
             if src is None and num_external_tokens > 0:
                 log.warning("kvtransport: %s: %s", type(found).__name__, found)
-                unhashed = [b.block_id for b in blocks.blocks[0] if b.block_hash is None and not b.is_null]
+                unhashed = [b.block_id for b in blocks.blocks[self._g0] if b.block_hash is None and not b.is_null]
                 self._fail_load(request, unhashed, str(found))
             return
         # Blocks cached locally (prefix hit) are counted in a full-attention group: a
         # sliding-window group's null blocks (out of its window) are not cached ones.
-        g0 = next((g for g, info in enumerate(self.groups) if not info.window_blocks), 0)
+        g0 = self._g0
         all_ids = list(blocks.get_block_ids()[g0])
         unhashed = [b.block_id for b in blocks.blocks[g0] if b.block_hash is None and not b.is_null]
         n_local_cached = len(all_ids) - len(unhashed)
@@ -139,7 +144,7 @@ class KVTransportScheduler:
         if len(self.groups) > 1:
             # hybrid: every group's blocks from the first block not cached locally, paired
             # by position with the producer's (READ) or clipped to the window (WRITE)
-            per_group = [list(ids) for ids in blocks.get_block_ids()]
+            per_group = select(blocks.get_block_ids(), self.groups)
             if self.cfg.mode == "read" and len(src.remote_block_groups) != len(per_group):
                 # never pair one group's ids with another's: fail the load (load failure policy)
                 self._fail_load(request, unhashed,
@@ -205,7 +210,8 @@ class KVTransportScheduler:
         group (hybrid models, from ``request_finished_all_groups``)."""
         from vllm.v1.request import RequestStatus
 
-        per_group = [list(g) for g in block_ids] if isinstance(block_ids, tuple) else [list(block_ids)]
+        # vLLM's ids of every group: only the moved groups' are offered
+        per_group = select(block_ids, self.groups) if isinstance(block_ids, tuple) else [list(block_ids)]
         flat, sizes = flatten(per_group)
         block_ids = flat
 
