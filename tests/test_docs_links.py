@@ -40,7 +40,7 @@ HTML_ANCHOR = re.compile(r"<a\s+(?:name|id)=\"([^\"]+)\"")
 
 def _repo_files(under: Path) -> list[Path]:
     """Files under ``under`` as git sees them (tracked, or new and not ignored), so build
-    output a test install leaves in docs/example_backend is not counted; a plain walk
+    output a test install leaves in examples/example_backend is not counted; a plain walk
     outside a git checkout."""
     try:
         out = subprocess.run(

@@ -1,7 +1,7 @@
 """A third-party backend, installed for real, is found by name and passes the shipped
 conformance suite with one pytest option.
 
-The package is ``docs/example_backend`` (``kvt_example_backend``, backend
+The package is ``examples/example_backend`` (``kvt_example_backend``, backend
 ``example-memmove``). It is built and installed with pip into a temporary ``--target``
 directory, exactly as a user would install a plugin, and reached only through its
 entry point in the ``kvtransport.backends`` group: no kvtransport file names it.
@@ -28,14 +28,14 @@ from kvtransport.registry import NAMESPACE
 from kvtransport.spi import Scope
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE_SRC = ROOT / "docs" / "example_backend"
+EXAMPLE_SRC = ROOT / "examples" / "example_backend"
 NAME = "example-memmove"
 BUILTIN = ("loopback", "ucx", "moriio")
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Path:
-    """``pip install --no-deps --no-build-isolation --target <tmp> docs/example_backend``.
+    """``pip install --no-deps --no-build-isolation --target <tmp> examples/example_backend``.
 
     The source is copied first because pip builds in the source tree (``build/``,
     ``*.egg-info``) and the docs directory must stay clean.
@@ -217,18 +217,11 @@ def test_conformance_suite_runs_on_the_plugin_with_one_option(target, tmp_path):
     assert {(topo, res) for _, topo, res in results} == {("inproc", "PASSED"), ("xproc", "SKIPPED")}, out
 
 
-def _fenced_after(doc: str, heading: str) -> str:
-    """The first fenced code block after ``heading`` in ``doc``."""
-    rest = doc[doc.index(heading) + len(heading):]
-    m = re.search(r"^```[a-z]*\n(.*?)^```$", rest, flags=re.S | re.M)
-    assert m, f"no code block after {heading!r}"
-    return m.group(1)
-
-
-def test_backends_doc_shows_the_example_verbatim():
-    """docs/BACKENDS.md walks through the example; both listings must be the package's
-    files exactly, so the doc never drifts from the code that is tested."""
+def test_backends_doc_points_at_the_tested_example():
+    """docs/BACKENDS.md walks a backend author to the example's files (linked, not pasted,
+    so the manual cannot drift from the code this file installs and tests; that the links
+    resolve is checked by tests/test_docs_links.py)."""
     doc = (ROOT / "docs" / "BACKENDS.md").read_text()
     for rel in ("pyproject.toml", "kvt_example_backend/__init__.py"):
-        shown = _fenced_after(doc, f"### `docs/example_backend/{rel}`")
-        assert shown == (EXAMPLE_SRC / rel).read_text(), f"docs/BACKENDS.md is out of date for {rel}"
+        assert (EXAMPLE_SRC / rel).is_file()
+        assert f"(../examples/example_backend/{rel})" in doc, f"docs/BACKENDS.md does not link {rel}"

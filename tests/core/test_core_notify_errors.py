@@ -6,7 +6,7 @@ errors); the agent maps them to :class:`kvtransport.errors.NotificationError` an
 and the fix, and still derive from the builtins callers caught before.
 
 Real backends only: the loopback backend with a peer in a child process that crashes,
-the third-party example backend (``docs/example_backend``) with a closed peer — both
+the third-party example backend (``examples/example_backend``) with a closed peer — both
 also behind the fault wrapper — and the loopback backend deprived of standalone
 notifications (the SPI's default), which is what a backend without them looks like.
 """
@@ -28,7 +28,7 @@ from kvtransport.registry import load_backend_class
 from kvtransport.spi import Backend
 from kvtransport.testing.peer import ChildProcessPeer
 
-EXAMPLE_SRC = Path(__file__).resolve().parents[2] / "docs" / "example_backend"
+EXAMPLE_SRC = Path(__file__).resolve().parents[2] / "examples" / "example_backend"
 
 
 @pytest.mark.parametrize("faults", [None, kvt.FaultPlan()], ids=["plain", "fault-wrapper"])
