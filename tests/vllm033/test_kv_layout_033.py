@@ -170,3 +170,33 @@ def test_tokens_outside_heads_refuses_different_tp_sizes_naming_the_fix(monkeypa
         P.close()
         C.close()
 
+
+
+def test_cross_layer_peer_and_per_layer_peer_refused_naming_the_setting(monkeypatch, caplog):
+    """A prefill on cross-layer blocks and a decode on per-layer heads-outer blocks hold the
+    same bytes in another order: refused at the hand-shake, naming kv_cache_layout; the
+    request is recomputed, nothing leaked."""
+    caplog.set_level(logging.WARNING, logger="kvtransport_vllm")
+    base = free_port_base(16)
+    common = {"backend": "loopback", "mode": "read", "transfer_timeout_s": 10.0, "lease_s": 120.0,
+              "side_channel_host": "127.0.0.1"}
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "BLHNC")
+    P = FlashEngine033("kv_producer", {**common, "side_channel_port": base}, tp=1, total_kv_heads=4, engine_id="P")
+    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT")
+    try:
+        C = FlashEngine033("kv_consumer", {**common, "side_channel_port": base + 8}, tp=1, total_kv_heads=4,
+                           engine_id="C")
+    except BaseException:
+        P.close()
+        raise
+    try:
+        assert (P.layout.name, C.layout.name) == ("BLHNC", "LBHNC")
+        prompt = prompt_of(40, seed=6)
+        C.add("c1", prompt, 3, _prefill(P, "p1", prompt))
+        _run_load(P, C, "c1", prompt)
+        assert C.counter("loads_ok") == 0 and C.first_start["c1"] == 0  # recomputed
+        assert "cross-layer layout" in caplog.text and "kv_cache_layout" in caplog.text
+        _assert_nothing_left(P, C)
+    finally:
+        P.close()
+        C.close()
