@@ -113,11 +113,14 @@ def _hold(pair: Pair, rid: str):
 
 
 def _end_lease_now(pair: Pair, rid: str) -> None:
-    """The producer's lease on ``rid`` ends now: no renewal reached it in time."""
+    """The producer's lease on ``rid`` (if still held) ends now: no renewal reached it in
+    time (a renewal sent before the consumer's step blocked cannot extend it either: this
+    is applied again before every producer step until the hold is gone)."""
     w = pair.P.worker._worker
     with w._lock:
-        h = next(h for h in w._holds.values() if h.req_id == rid)
-        h.expiry = 0.0
+        for h in w._holds.values():
+            if h.req_id == rid:
+                h.expiry = 0.0
 
 
 # ----------------------------------------------------------------------------------------
@@ -169,8 +172,8 @@ def _lease_lapses_mid_read(pair: Pair, prompt: list[int]) -> tuple[str, dict]:
             assert time.monotonic() < end, "the consumer's READ never reached the backend"
             pair.P.step()
             time.sleep(0.002)
-        _end_lease_now(pair, "p1")
-        run_until([pair.P], lambda: _outputs_name(pair.P.kv_outputs, "finished_sending", "p1"))
+        run_until([pair.P], lambda: _end_lease_now(pair, "p1")
+                  or _outputs_name(pair.P.kv_outputs, "finished_sending", "p1"))
         other = _reused(pair, params, "p2", seed=22)
     finally:
         gate.release()
@@ -274,8 +277,7 @@ def test_abort_while_the_push_is_in_flight_broken_ack_is_caught(pairs, monkeypat
     producer that acknowledges the cancel while its write is being posted. That test's own
     checks must then fail (the write lands in blocks handed back to vLLM)."""
     import kvtransport_vllm.producer as producer_module
-    from test_stale_write_race import test_consumer_cancel_while_post_blocks_is_not_acked_and_nothing_lands_in_freed_blocks \
-        as abort_while_post_blocks
+    import test_stale_write_race as race
 
     real = producer_module.Producer.answer_give_up
 
@@ -287,7 +289,7 @@ def test_abort_while_the_push_is_in_flight_broken_ack_is_caught(pairs, monkeypat
 
     monkeypatch.setattr(producer_module.Producer, "answer_give_up", acks_during_post)
     with pytest.raises(AssertionError, match="landed in consumer blocks|freed its blocks|acked"):
-        abort_while_post_blocks(pairs)
+        race.test_consumer_cancel_while_post_blocks_is_not_acked_and_nothing_lands_in_freed_blocks(pairs)
 
 
 # ----------------------------------------------------------------------------------------
