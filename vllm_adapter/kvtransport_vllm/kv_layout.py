@@ -145,8 +145,7 @@ def _cross_layer(kv_caches: dict[str, Any], num_blocks: int, kv_heads: int, bloc
         return None
     t0 = ts[0]
     sizes, strides, item = list(t0.shape), list(t0.stride()), t0.element_size()
-    if any(list(t.shape) != sizes or list(t.stride()) != strides or t.dtype != t0.dtype or t.device != t0.device
-           or t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr() for t in ts[1:]):
+    if any(list(t.shape) != sizes or list(t.stride()) != strides or t.element_size() != item for t in ts[1:]):
         return None
     cands = [d for d, n in enumerate(sizes) if n == num_blocks]
     if not cands:
@@ -166,6 +165,9 @@ def _cross_layer(kv_caches: dict[str, Any], num_blocks: int, kv_heads: int, bloc
     stride = strides[bd] * item
     if sorted(offsets) != [i * page for i in range(len(ts))] or stride < len(ts) * page:
         return None
+    if any(t.dtype != t0.dtype or t.device != t0.device
+           or t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr() for t in ts[1:]):
+        return None  # side by side by chance, not one allocation
     first = ts[addrs.index(base)]
     used = len(ts) * page
     view = first.as_strided((num_blocks, used // item), (strides[bd], 1), first.storage_offset())
