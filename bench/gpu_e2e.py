@@ -392,7 +392,7 @@ def format_report(rows: list[Row], shape: ModelShape, args: argparse.Namespace, 
     cols = f"{'case':<22}{'tokens vs reference':<30}{'remote KV':>10}{'load wait ms':>14}{'transfer ms':>13}" \
            f"{'MiB/load':>10}{'raw NIXL ms':>13}{'wait/raw':>10}"
     lines = [head, "", cols, "-" * len(cols)]
-    fmt = lambda x: "-" if x is None or math.isnan(x) else f"{x:.2f}"  # noqa: E731
+    fmt = lambda x: "-" if x is None or math.isnan(x) else f"{x:.3f}"  # noqa: E731
     for r in rows:
         ratio = r.wait_ms / r.raw_ms if r.raw_ms and not math.isnan(r.wait_ms) else None
         lines.append(f"{r.label:<22}{r.compared.describe():<30}{f'{r.remote_loads}/{r.compared.total}':>10}"
