@@ -118,16 +118,18 @@ def test_hetero_tp_pair_on_the_flash_attention_layout_we_request(mode, p, d):
         C.close()
 
 
-def test_cross_layer_pair_moves_exact_kv_one_range_per_block_at_most(monkeypatch):
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_cross_layer_pair_moves_exact_kv_one_range_per_block_at_most(monkeypatch, mode):
     """Equal TP, both engines on vLLM's cross-layer layout (forced here with vLLM's own
     VLLM_KV_CACHE_LAYOUT, as an operator may; kv_cache_layout: cross_layer requests it):
-    bytes exact, and the READ hands the backend at most one byte range per block."""
+    bytes exact, and the READ (decode) or WRITE (prefill) hands the backend at most one
+    byte range per block."""
     monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "BLHNC")
-    P, C = _pair("read", 1, 1)
+    P, C = _pair(mode, 1, 1)
     try:
         assert P.layout.name == C.layout.name == "BLHNC"
         _load_exact(P, C, prompt_of(150, seed=3))
-        st = C.workers[0]._worker.agent.stats()
+        st = (C if mode == "read" else P).workers[0]._worker.agent.stats()
         blocks = st["segments_posted"] // NUM_LAYERS  # the caller's ranges: one per block and layer
         assert blocks >= 9  # 149 prompt tokens loaded in blocks of 16
         assert st["segments_merged"] <= blocks, st  # what reached the backend's post
