@@ -10,7 +10,8 @@ lease.
 
 Every test also runs a ``broken`` variant: the same scenario with the design's safeguard
 switched off through a seam the connector already has (the worker's reply seam, the
-consumer's step table, a hold's lease, a hand-shake's state, the wire). The test's own
+consumer's step table, the producer's block pairing or cancel answer, a hold's lease, a
+hand-shake's state, the wire). The test's own
 check must then fail, which is asserted: the check can catch the field's failure, it does
 not just pass.
 """
