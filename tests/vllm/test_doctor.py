@@ -21,6 +21,7 @@ import torch
 from harness import TEST_SECRET, free_port_base, prompt_of
 from kvtransport.cli import main as cli_main
 from kvtransport_vllm.doctor import (
+    FIX_ADDRESS,
     FIX_BACKEND_HERE,
     FIX_LAYOUT,
     FIX_PORT,
@@ -291,3 +292,53 @@ def test_heterogeneous_tp_pair_that_maps_is_healthy():
     finally:
         for w in pre + dec:
             w.shutdown()
+
+
+def test_an_engine_addressed_by_another_name_is_named_not_blamed_on_the_secret(pairs):
+    """The doctor reaching an engine through a port forward seals its request for the
+    forward's address; the engine (advertising another one) refuses it as misdirected.
+    The doctor says the address is wrong, not the secret, and names the fix."""
+    import threading
+
+    import zmq
+
+    pair = pairs("read", p_extra={"side_channel_host": "127.0.0.3"})
+    host, port = _addr(pair.P)
+    assert host == "127.0.0.3"
+    fwd = free_port_base(1)
+    ctx = zmq.Context()
+    front, back = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    front.bind(f"tcp://127.0.0.1:{fwd}")
+    back.connect(f"tcp://{host}:{port}")
+    stop = threading.Event()
+
+    def forward() -> None:
+        """A port forward for one client: frames on, answers back to whoever asked last."""
+        poller = zmq.Poller()
+        poller.register(front, zmq.POLLIN)
+        poller.register(back, zmq.POLLIN)
+        ident = None
+        while not stop.is_set():
+            for sock, _ in poller.poll(50):
+                if sock is front:
+                    ident, *frames = front.recv_multipart()
+                    back.send_multipart(frames)
+                elif ident is not None:
+                    front.send_multipart([ident, *back.recv_multipart()])
+
+    t = threading.Thread(target=forward, daemon=True)
+    t.start()
+    try:
+        v = run_doctor(("127.0.0.1", fwd), _addr(pair.C), SECRET, timeout_s=20.0)
+    finally:
+        stop.set()
+        t.join(10)
+        front.close(0)
+        back.close(0)
+        ctx.term()
+    assert not t.is_alive()
+    found = [f for f in v.problems if f.subject == "prefill rank 0"]
+    assert len(found) == 1, v.render()
+    assert found[0].check == "side_channel" and "not the name this engine advertises" in found[0].message
+    assert f"{host}:{port}" in found[0].message and found[0].fix == FIX_ADDRESS
+    assert not any(f.check == "auth" for f in v.problems), v.render()

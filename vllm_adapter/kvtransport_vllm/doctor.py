@@ -65,6 +65,8 @@ FIX_PORT = ("start the engine with kv_connector KVTransportConnector, or fix the
             "on side_channel_host at side_channel_port + DP rank x TP size + TP rank (the engine logs 'side channel HOST:PORT' at start)")
 FIX_FIREWALL = ("open TCP side_channel_port .. side_channel_port + DP size x TP size - 1 between the hosts (see docs/DEPLOY.md), "
                 "or use the address the engine advertises (side_channel_host / VLLM_HOST_IP)")
+FIX_ADDRESS = ("address the engine as it advertises itself: its side_channel_host and side_channel_port (+ rank), the "
+               "remote_host / remote_port its kv_transfer_params name; a port forward or another host name is refused")
 FIX_LAYOUT = "serve the same model with the same dtype, block size and TP size on both engines"
 FIX_BACKEND = ("set the same kv_connector_extra_config backend (and backend_options) on both engines and install "
                "the same kvtransport release on each")
@@ -214,6 +216,11 @@ def _probe(v: Verdict, who: str, host: str, port: int, auth: Authenticator | Non
     if code == "auth" and auth is None:
         v.add("auth", who, False, f"{host}:{port} requires sealed messages and the doctor runs with "
               f"KVTRANSPORT_AUTH=off ({said})", FIX_SECRET)
+    elif code == "auth" and "misdirected" in said:
+        # sealed with the right secret, for a name the engine does not answer to (a port
+        # forward, another host name): the secret is fine, the address is not
+        v.add("side_channel", who, False, f"{host}:{port} is not the name this engine advertises ({said})",
+              FIX_ADDRESS)
     elif code == "auth":
         v.add("auth", who, False, f"wrong secret: {host}:{port} refused the doctor's request ({said})", FIX_SECRET)
     elif code == "malformed" and client.refusal:
