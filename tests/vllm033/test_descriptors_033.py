@@ -72,3 +72,25 @@ def test_descriptors_per_load(layout, per_block):
     finally:
         a.close()
         b.close()
+
+
+def test_cross_layer_with_two_kv_cache_groups_refused_naming_the_setting():
+    """A hybrid model (full + sliding-window groups) on cross-layer blocks: vLLM overlays
+    the groups' pages in each block (both groups' first layers at one offset), which no
+    per-layer byte range describes; registration refuses it, naming kv_cache_layout."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    from kvtransport_vllm.kv_layout import KVLayoutError
+
+    cfg = VllmConfig(cache_config=CacheConfig(block_size=BLOCK), device_config=DeviceConfig("cpu"))
+    record_kv_cache_layout(cfg.cache_config, "BLHNC")
+    cfg.cache_config.num_gpu_blocks_override = NUM_BLOCKS
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float16)
+    window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float16,
+                               sliding_window=32)
+    groups = [KVCacheGroupSpec(["layers.0", "layers.2"], full), KVCacheGroupSpec(["layers.1", "layers.3"], window)]
+    kcc = get_kv_cache_config_from_groups(cfg, groups, available_memory=full.page_size_bytes * 4 * NUM_BLOCKS)
+    caches = allocate_kv_cache(kcc, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout(), [BLOCK, BLOCK])
+    assert caches["layers.0"].data_ptr() == caches["layers.1"].data_ptr()  # the groups overlay
+    with pytest.raises(KVLayoutError, match="cross-layer layout with several KV cache groups.*kv_cache_layout"):
+        describe_kv_caches(caches, NUM_BLOCKS, HEADS, BLOCK)
