@@ -34,6 +34,7 @@ transfer to it is in flight.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import secrets
 import threading
 import time
@@ -74,6 +75,15 @@ _STORAGE = frozenset({"POSIX", "GDS", "GDS_MT", "OBJ", "AZURE_BLOB", "GUSLI", "I
 #: Agents closed with transfers still in flight: kept alive (never destroyed under a copy).
 _GRAVEYARD: list[Any] = []
 
+
+
+def local_memory_kinds(plugin_mem_types: list[set[str]], has_gpu: bool, device_memory: str) -> frozenset[str]:
+    """The memory this agent registers: device memory (VRAM) only where every selected
+    plugin moves it, this host has a GPU and the ``device_memory`` option does not say
+    ``none`` (which also keeps UCX's cuda transports out of the list, so NIXL could not
+    move it: the core refuses it at ``register`` instead of NIXL failing later)."""
+    vram = all("VRAM_SEG" in m for m in plugin_mem_types) and has_gpu and device_memory != "none"
+    return frozenset({"cpu", "cuda"}) if vram else frozenset({"cpu"})
 
 class NixlBackend(Backend):
     name = "nixl"
@@ -124,11 +134,9 @@ class NixlBackend(Backend):
                     f"nixl backend: plugin {plugin} failed to start{env}: {type(exc).__name__}: {exc}; "
                     f"its parameters were {params[plugin]}") from None
         mems = [set(self._nx.get_backend_mem_types(p)) for p in self.opts.backends]
-        if not (all("VRAM_SEG" in s for s in mems) and _probe.has_gpu()):
-            caps = self.capabilities  # no GPU here, or a plugin without VRAM: CPU memory only
-            self.capabilities = Capabilities(caps.read, caps.write, caps.notify, frozenset({"cpu"}),
-                                             caps.scopes, caps.detects_peer_failure,
-                                             remote_memory_kinds=caps.remote_memory_kinds)
+        kinds = local_memory_kinds(mems, _probe.has_gpu(), self.opts.device_memory)
+        if kinds != self.capabilities.memory_kinds:
+            self.capabilities = dataclasses.replace(self.capabilities, memory_kinds=kinds)
         self._ident = ProcessIdentity.current()
         self._regs: dict[int, Any] = {}
         self._kinds: dict[int, tuple[str, int]] = {}

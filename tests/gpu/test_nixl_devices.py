@@ -168,3 +168,16 @@ def test_a_user_ucx_tls_without_cuda_is_refused_naming_it(monkeypatch, env):
 def test_device_memory_is_checked():
     with pytest.raises(errors.BackendOptionError, match="device_memory must be one of"):
         parse_options({"device_memory": "rocm"}, environ={})
+
+
+@pytest.mark.parametrize("mems, gpu, device_memory, kinds", [
+    ([{"DRAM_SEG", "VRAM_SEG"}], True, "auto", {"cpu", "cuda"}),
+    ([{"DRAM_SEG", "VRAM_SEG"}], True, "cuda", {"cpu", "cuda"}),
+    ([{"DRAM_SEG", "VRAM_SEG"}], True, "none", {"cpu"}),      # the option keeps device memory out
+    ([{"DRAM_SEG", "VRAM_SEG"}], False, "auto", {"cpu"}),     # no GPU on this host
+    ([{"DRAM_SEG", "VRAM_SEG"}, {"DRAM_SEG"}], True, "auto", {"cpu"}),  # one plugin without VRAM
+])
+def test_local_memory_kinds_follow_plugins_gpu_and_option(mems, gpu, device_memory, kinds):
+    from kvtransport_nixl.backend import local_memory_kinds
+
+    assert local_memory_kinds(mems, gpu, device_memory) == frozenset(kinds)
