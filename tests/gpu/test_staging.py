@@ -16,7 +16,14 @@ import pytest
 torch = pytest.importorskip("torch")
 from kvtransport_vllm.config import ConnectorConfig, ConnectorConfigError  # noqa: E402
 from kvtransport_vllm.kv_layout import describe_kv_caches  # noqa: E402
-from kvtransport_vllm.staging import DirectDeviceKV, HostFence, HostKV, HostStaging, KVDevice, make_kv_device  # noqa: E402
+from kvtransport_vllm.staging import (  # noqa: E402
+    DirectDeviceKV,
+    HostFence,
+    HostKV,
+    HostStaging,
+    KVDevice,
+    make_kv_device,
+)
 from kvtransport_vllm.worker import KVTransportWorker  # noqa: E402
 
 from . import recording_backend as rec  # noqa: E402

@@ -439,7 +439,8 @@ class HostStaging(KVDevice):
                                 lm.block_stride, "cpu", -1, lm.block_dim, lm.attn_layout))
         return out
 
-    def _work(self, block_ids: Sequence[int], group_sizes: Sequence[int]) -> tuple[list[tuple[LayerMem, Any, Any, Any]], list[Any]]:
+    def _work(self, block_ids: Sequence[int],
+              group_sizes: Sequence[int]) -> tuple[list[tuple[LayerMem, Any, Any, Any]], list[Any]]:
         """(layer, host view, host ids, device ids) for every layer with blocks to copy: its
         own group's ids; and the host id tensors a device copy reads (kept until it ends)."""
         torch = self._torch
