@@ -76,3 +76,36 @@ def build_tiny_sliding(out_dir: str | Path, llama_dir: str | Path) -> Path:
     cfg["sliding_window"] = SLIDING_WINDOW
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     return out
+
+
+#: Nemotron-H's per-layer kinds: "M" Mamba2, "*" attention, "-" MLP
+NEMOTRON_H_PATTERN = "M*-M*-"
+
+
+def build_tiny_nemotron_h(out_dir: str | Path, llama_dir: str | Path) -> Path:
+    """A 6-layer Nemotron-H (Mamba2 / attention / MLP twice: two Mamba2 layers of 8 heads of
+    32 with state 16, two attention layers of head_dim 64) with the tiny tokenizer: a hybrid
+    SSM model, whose Mamba layers keep one conv + SSM state per request in a KV cache group
+    of their own."""
+    out = Path(out_dir)
+    if (out / "config.json").exists():
+        return out
+    import torch
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    vocab = _copy_tokenizer(build_tiny_model(llama_dir), out)
+    cfg = NemotronHConfig(
+        vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=len(NEMOTRON_H_PATTERN),
+        hybrid_override_pattern=NEMOTRON_H_PATTERN, num_attention_heads=2, num_key_value_heads=2,
+        head_dim=64, mamba_num_heads=8, mamba_head_dim=32, ssm_state_size=16, n_groups=1,
+        conv_kernel=4, expand=2, max_position_embeddings=2048, initializer_range=INIT_STD,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False, torch_dtype="float32",
+    )
+    torch.manual_seed(SEED)
+    model = NemotronHForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name and not name.endswith(("A_log", ".D", "dt_bias")):
+                p.normal_(0.0, INIT_STD)
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out

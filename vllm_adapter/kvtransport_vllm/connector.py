@@ -104,14 +104,16 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
         refused = check_group_kinds(kv_cache_config)
         if refused:
             raise ConnectorConfigError(
-                "KVTransportConnector moves per-token KV blocks (full attention, MLA, sliding window); "
-                f"this model has KV cache groups it cannot move correctly: {'; '.join(refused)}. Serve this "
-                "model without a KV connector (prefill and decode on one engine), or use a model whose "
-                "layers are all attention layers."
+                "KVTransportConnector moves per-token KV blocks (full attention, MLA, sliding window) and "
+                "Mamba / SSM state without prefix caching; this model has KV cache groups it cannot move "
+                f"correctly: {'; '.join(refused)}. Change that setting, or serve this model without a KV "
+                "connector (prefill and decode on one engine)."
             )
         groups = group_infos(kv_cache_config)
         #: layers of the groups moved (None: no config, every layer)
         self._moved_layers = {n for g in groups for n in g.layers} if groups else None
+        #: Mamba / SSM state layers: registered as pages like attention blocks (ssm_state.py)
+        self._state_layers = {n for g in groups if g.state for n in g.layers}
         self._loaded_groups = tuple(g.index for g in groups) or (0,)
         ktc = vllm_config.kv_transfer_config
         if self.cfg.load_failure_policy is not None:
@@ -160,6 +162,10 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def on_new_request(self, request: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.on_new_request(request)
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
@@ -190,6 +196,14 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         if self._moved_layers is not None:  # groups vLLM does not transfer stay unregistered
             kv_caches = {n: t for n, t in kv_caches.items() if n in self._moved_layers}
+        if self._state_layers:
+            from .ssm_state import as_pages
+
+            try:
+                kv_caches = as_pages(kv_caches, self._state_layers)
+            except ValueError as exc:
+                raise ConnectorConfigError(f"KVTransportConnector cannot move this hybrid model's Mamba state: {exc}") \
+                    from exc
         self._worker.register_kv_caches(kv_caches)
 
     def _meta(self) -> KVTransportMetadata | None:
@@ -239,7 +253,11 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_load_errors()
+        errors = self._worker.take_load_errors()
+        # Several KV cache groups: vLLM cannot map block ids to requests and stops the engine
+        # on any; the failed loads reach it by request id (failed_recving) instead.
+        groups = getattr(self._kv_cache_config, "kv_cache_groups", None) or []
+        return set() if len(groups) > 1 else errors
 
     def get_kv_connector_stats(self) -> KVTransportStats | None:
         if self._worker is None:

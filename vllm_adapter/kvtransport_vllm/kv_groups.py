@@ -18,8 +18,12 @@ after a connector load (``enable_kv_transfer=False``) is neither registered nor 
 :class:`GroupInfo` keeps each moved group's index in vLLM's group order so the per-group
 block ids vLLM hands over can be selected (:func:`select`).
 
-Group kinds that are not per-token KV blocks (Mamba / SSM state, chunked local attention,
-cross attention, ...) cannot be moved as blocks correctly and are refused at start
+A Mamba / SSM state group (:mod:`.ssm_state`) holds one state block per request instead
+of one block per block of tokens: its blocks are paired in order, never by position, and
+never sliced by a local prefix hit (``GroupInfo.state``).
+
+Other group kinds that are not per-token KV blocks (chunked local attention, cross
+attention, ...) cannot be moved as blocks correctly and are refused at start
 (:func:`check_group_kinds`).
 """
 
@@ -28,6 +32,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from . import ssm_state
 
 NULL_BLOCK = 0  # vLLM's BlockPool reserves block 0 as the null block
 
@@ -45,6 +51,8 @@ class GroupInfo:
     #: the group's index in vLLM's ``kv_cache_groups`` (its block ids' index in what vLLM
     #: hands the connector)
     index: int = 0
+    #: a Mamba / SSM state group: one state block per request, not blocks of tokens
+    state: bool = False
 
 
 def _kind_name(spec: Any) -> str:
@@ -84,9 +92,11 @@ def check_group_kinds(kv_cache_config: Any) -> list[str]:
     errors = []
     for _, g in _transfer_groups(kv_cache_config):
         spec = g.kv_cache_spec
-        if type(spec) not in movable:
-            errors.append(f"{_kind_name(spec)} (layers {', '.join(g.layer_names[:4])}"
-                          f"{', ...' if len(g.layer_names) > 4 else ''})")
+        layers = f"{', '.join(g.layer_names[:4])}{', ...' if len(g.layer_names) > 4 else ''}"
+        if ssm_state.is_state_spec(spec):
+            errors += ssm_state.refusals(spec, layers)
+        elif type(spec) not in movable:
+            errors.append(f"{_kind_name(spec)} (layers {layers})")
     return errors
 
 
@@ -101,7 +111,7 @@ def group_infos(kv_cache_config: Any) -> list[GroupInfo]:
         if isinstance(spec, SlidingWindowSpec) and spec.sliding_window:
             # the window's tokens span at most ceil(window / block) + 1 blocks
             window = -(-int(spec.sliding_window) // int(spec.block_size)) + 1
-        out.append(GroupInfo(tuple(g.layer_names), window, index))
+        out.append(GroupInfo(tuple(g.layer_names), window, index, ssm_state.is_state_spec(spec)))
     return out
 
 
@@ -148,6 +158,12 @@ def pair_by_position(local: Sequence[Sequence[int]], remote: Sequence[Sequence[i
     tail of a sliding-window group only, pairs with a null block on either side dropped."""
     out_l, out_r = [], []
     for g, (lo, re) in enumerate(zip(local, remote)):
+        if g < len(groups) and groups[g].state:  # one state block per request: in order
+            n = min(len(lo), len(re))
+            lo, re = _drop_null_pairs(list(lo[:n]), list(re[:n]))
+            out_l.append(lo)
+            out_r.append(re)
+            continue
         lo, re = list(lo[first:]), list(re[first:])
         n = min(len(lo), len(re))
         lo, re = _drop_null_pairs(_window_tail(lo[:n], g, groups), _window_tail(re[:n], g, groups))
@@ -156,9 +172,11 @@ def pair_by_position(local: Sequence[Sequence[int]], remote: Sequence[Sequence[i
     return out_l, out_r
 
 
-def clip_windows(per_group: Sequence[Sequence[int]], groups: Sequence[GroupInfo]) -> list[list[int]]:
-    """WRITE, consumer side: the blocks to be written, a sliding-window group's tail only."""
-    return [_window_tail(ids, g, groups) for g, ids in enumerate(per_group)]
+def clip_windows(per_group: Sequence[Sequence[int]], groups: Sequence[GroupInfo], first: int = 0) -> list[list[int]]:
+    """WRITE, consumer side: the blocks to be written from block ``first`` (the first not
+    cached locally), a sliding-window group's tail only, a state group's state block(s)."""
+    return [[b for b in ids if b != NULL_BLOCK] if g < len(groups) and groups[g].state
+            else _window_tail(ids[first:], g, groups) for g, ids in enumerate(per_group)]
 
 
 def align_tails(src: Sequence[Sequence[int]], dst: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[list[int]]] | str:

@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .config import ConnectorConfig, rank_port
+from . import ssm_state
 from .kv_groups import GroupInfo, clip_windows, flatten, pair_by_position, select
 from .messages import HoldJob, KVTransportMetadata, PeerNotice, RecvJob
 from .params import KVTransferParamsError, RemoteSource, parse_remote_source
@@ -38,8 +39,11 @@ class KVTransportScheduler:
         self.groups = groups or []
         #: vLLM's index of the group whose blocks count a local prefix hit: the first moved
         #: full-attention group (a sliding-window group's null blocks are not cached ones)
-        self._g0 = next((g.index for g in self.groups if not g.window_blocks),
+        self._g0 = next((g.index for g in self.groups if not g.window_blocks and not g.state),
                         self.groups[0].index if self.groups else 0)
+        #: a hybrid SSM model: the decode engine loads all but the last prompt token, the
+        #: prefill engine computes only those (ssm_state.py)
+        self._has_state = any(g.state for g in self.groups)
         self.block_size = block_size
         self.tp_size = tp_size
         #: the base port of this DP rank's workers, advertised as ``remote_port``: worker
@@ -92,7 +96,8 @@ class KVTransportScheduler:
         if num_prompt < self.block_size:
             return 0, False
         remote_tokens = found.remote_num_tokens if isinstance(found, RemoteSource) else None
-        n = min(remote_tokens or num_prompt, num_prompt) - num_computed_tokens
+        loadable = ssm_state.loadable_tokens(num_prompt) if self._has_state else num_prompt
+        n = min(remote_tokens or loadable, loadable) - num_computed_tokens
         if n <= 0:
             return 0, False
         if isinstance(found, RemoteSource):
@@ -130,8 +135,15 @@ class KVTransportScheduler:
         sizes: list[int] = []
         # blocks that will hold the loaded tokens (a local prefix hit is whole blocks)
         need = -(-(n_local_cached * self.block_size + num_external_tokens) // self.block_size) - n_local_cached
+        if self._has_state and src.remote_tp and src.remote_tp != self.tp_size:
+            self._fail_load(request, unhashed,
+                            f"the producer runs TP {src.remote_tp}, this engine TP {self.tp_size}: the Mamba / SSM "
+                            "state of a hybrid model is moved between engines of the same TP size only", release=src)
+            return
         if self.cfg.mode == "read":
-            short = [g for g, ids in enumerate(src.remote_block_groups) if len(ids) < n_local_cached + need]
+            state = {g for g, info in enumerate(self.groups) if info.state}
+            short = [g for g, ids in enumerate(src.remote_block_groups)
+                     if g not in state and len(ids) < n_local_cached + need]
             if short:
                 # vLLM counts every announced token as loaded and may cache the blocks: a load
                 # that cannot fill them all must fail (load failure policy), never run short
@@ -157,7 +169,7 @@ class KVTransportScheduler:
                 local, sizes = flatten(lo)
                 remote, _ = flatten(re)
             else:
-                local, sizes = flatten(clip_windows([ids[n_local_cached:] for ids in per_group], self.groups))
+                local, sizes = flatten(clip_windows(per_group, self.groups, n_local_cached))
         elif self.cfg.mode == "read":
             remote = src.remote_block_ids[n_local_cached : n_local_cached + len(local)]
             local = local[: len(remote)]
@@ -188,6 +200,15 @@ class KVTransportScheduler:
         self._meta.recv.append(RecvJob(req_id=request.request_id, key="", mode=self.cfg.mode,
                                        local_block_ids=unhashed, remote_block_ids=[], host="", port=0,
                                        refused=reason, created_at=time.time()))
+
+    # -- producer ---------------------------------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        """A hybrid SSM model's prefill for a decode engine computes all but the prompt's
+        last token (ssm_state.py: the decode engine computes that one on the loaded state)."""
+        params = request.kv_transfer_params
+        if (self._has_state and self.cfg.is_producer and isinstance(params, dict)
+                and _flag(params, "do_remote_decode")):
+            ssm_state.truncate_prefill(request)
 
     # -- both -----------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> KVTransportMetadata:
