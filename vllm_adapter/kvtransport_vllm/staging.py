@@ -523,6 +523,9 @@ class HostStaging(KVDevice):
         return fence
 
     def close(self) -> None:
+        """Wait for copies still reading the scratch, then unpin (the memory is freed with us)."""
+        if self._slots is not None and self._finalizer.alive:
+            self._slots.drain()
         self._finalizer()
 
     def describe(self) -> str:
