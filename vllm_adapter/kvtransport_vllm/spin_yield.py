@@ -46,6 +46,7 @@ import importlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["SPIN_YIELD_MODES", "RECHECK_S", "HostCensus", "host_census", "census_of", "sleep_yield",
@@ -124,9 +125,11 @@ def sleep_yield() -> None:
 class AutoYield:
     """The ``auto`` yield: ``time.sleep(0)`` while :func:`host_census` finds more workers
     than CPUs, else the wrapped (vLLM's own) function; the census is retaken at most every
-    :data:`RECHECK_S` seconds, at a call (so only while a loop spins)."""
+    :data:`RECHECK_S` seconds, at a call (so only while a loop spins). Two threads calling
+    at once may both take the census: harmless (the same answer, at worst logged twice)."""
 
-    def __init__(self, shipped: object, census: object = host_census, recheck_s: float = RECHECK_S) -> None:
+    def __init__(self, shipped: Callable[[], None], census: Callable[[], HostCensus] = host_census,
+                 recheck_s: float = RECHECK_S) -> None:
         self.shipped = shipped
         self._census = census
         self._recheck_s = recheck_s
@@ -141,12 +144,12 @@ class AutoYield:
         if self._sleep:
             time.sleep(0)
         else:
-            self.shipped()  # type: ignore[operator]
+            self.shipped()
 
     def _decide(self, now: float) -> None:
         try:
-            census: HostCensus = self._census()  # type: ignore[operator]
-        except OSError as exc:  # no /proc: keep vLLM's own choice
+            census = self._census()
+        except (OSError, AttributeError) as exc:  # no /proc or no sched_getaffinity: keep vLLM's own choice
             log.debug("kvtransport: CPU census failed (%s); vLLM's busy-wait loops keep sched_yield", exc)
             census = HostCensus(0, 1)
         self._sleep = census.oversubscribed
