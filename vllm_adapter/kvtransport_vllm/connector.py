@@ -24,6 +24,7 @@ from .config import ConnectorConfig, ConnectorConfigError, data_parallel_rank
 from .kv_groups import check_group_kinds, group_infos
 from .messages import KVTransportMetadata
 from .scheduler import KVTransportScheduler
+from .spec_decode import refusal as spec_decode_refusal
 from .spin_yield import apply_spin_yield
 from .stats import KVTransportStats
 
@@ -101,6 +102,9 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
                 "the transport (peers read / write it directly), so it cannot be freed or remapped. "
                 "Start vLLM without --enable-sleep-mode."
             )
+        spec_refusal = spec_decode_refusal(vllm_config)
+        if spec_refusal:
+            raise ConnectorConfigError(spec_refusal)
         refused = check_group_kinds(kv_cache_config)
         if refused:
             raise ConnectorConfigError(
