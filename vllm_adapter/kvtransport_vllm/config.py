@@ -54,6 +54,9 @@ EXTRA_CONFIG_KEYS: dict[str, str] = {
     "(docs/VLLM.md, Busy-wait yield)",
     "kv_buffer_device": "auto (default: the transport moves the KV cache where it lives) or cpu (host staging: "
     "device blocks are copied through pinned host buffers, for transports without device memory support)",
+    "layerwise_write": "false (default) or true: in mode write, a producer that knows the decode's block ids "
+    "during its prefill (router flow) pushes each layer's completed blocks from save_kv_layer while the next "
+    "layers compute; the rest follows when the prefill ends",
 }
 
 _MODES = ("read", "write")
@@ -156,6 +159,8 @@ class ConnectorConfig:
     gil_switch_interval_s: float = 0.0005
     #: how vLLM's busy-wait loops yield in our processes (spin_yield.py): "auto", "sleep" or "sched_yield"
     vllm_spin_yield: str = "auto"
+    #: WRITE: push each layer's completed prompt blocks during the prefill (layerwise.py)
+    layerwise_write: bool = False
     #: True when side_channel_host was chosen by this module (default route or
     #: loopback-only host), False when given (extra config or VLLM_HOST_IP)
     side_channel_host_auto: bool = False
@@ -252,6 +257,18 @@ class ConnectorConfig:
         if spin_yield not in SPIN_YIELD_MODES:
             raise ConnectorConfigError(
                 f"KVTransportConnector: vllm_spin_yield must be 'auto', 'sleep' or 'sched_yield', got {spin_yield!r}")
+        layerwise = extra.get("layerwise_write", False)
+        if not isinstance(layerwise, bool):
+            raise ConnectorConfigError(
+                f"KVTransportConnector: layerwise_write must be true or false, got {layerwise!r}")
+        if layerwise and mode != "write":
+            raise ConnectorConfigError(
+                "KVTransportConnector: layerwise_write needs mode 'write' (the producer pushes each layer); "
+                "set mode 'write' on both engines or drop layerwise_write")
+        if layerwise and buffer_device == "cpu":
+            raise ConnectorConfigError(
+                "KVTransportConnector: layerwise_write is not supported with kv_buffer_device 'cpu' (host staging "
+                "copies whole requests, not layers); use kv_buffer_device 'auto' or drop layerwise_write")
         given = extra.get("side_channel_host")
         if given is not None and not isinstance(given, str):
             raise ConnectorConfigError(
@@ -276,6 +293,7 @@ class ConnectorConfig:
             kv_buffer_device=buffer_device,
             gil_switch_interval_s=_switch_interval(extra.get("gil_switch_interval_s", 0.0005)),
             vllm_spin_yield=spin_yield,
+            layerwise_write=layerwise,
         )
 
     @classmethod

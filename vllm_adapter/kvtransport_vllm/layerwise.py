@@ -1,0 +1,303 @@
+"""Layer-wise WRITE: push each layer's KV of the prompt blocks completed so far from
+``save_kv_layer``, while the next layers compute (opt-in: ``layerwise_write``).
+
+Why: a whole-request WRITE starts only once the prefill has ended, so the decode engine
+waits for the prefill *plus* the whole transfer. When the consumer's block ids reach the
+producer before or during its prefill (the router flow: both hops dispatched at once),
+each layer's blocks can be on their way as soon as that layer's attention has written
+them; by the end of the prefill little or nothing is left to send.
+
+Two halves, like the connector:
+
+* :class:`LayerwisePlanner` (scheduler process): per step, for each prefill whose KV goes
+  to a decode engine (``do_remote_decode``), the prompt block positions that are complete
+  after this step and were not before (whole blocks; the prompt's last, partly filled
+  block once the prompt is done: a block is sent when it is complete, so under chunked
+  prefill a block filled across chunks is sent in the chunk that completes it). Carried in
+  :class:`LayerwiseMetadata`, the normal metadata plus :class:`LayerJob` rows.
+* :class:`LayerwiseWriter` (each worker): in ``save_kv_layer`` of layer *i*, one WRITE of
+  layer *i*'s bytes of those blocks per job whose single destination is known
+  (``Producer.early_dest``); the posts are polled each step. The producer's whole-request
+  path then sends only what no early write covered (:meth:`uncovered`), and only after
+  every early write has ended.
+
+The WRITE invariants (docs/LIFECYCLE.md section 3) stay as strong:
+
+* a key with an early write that may still land (being posted, in flight, or failed and
+  not quiesced) is *in flight*: ``Producer.answer_give_up`` answers "pending" and
+  ``Producer.end_hold`` refuses to end its hold (:meth:`in_flight`, under the lock);
+* no early write is posted for a key that has ended (a cancel was acked: the consumer may
+  reuse its blocks) or whose destination was withdrawn; the check and the "posting" mark
+  are one step under the lock, so a cancel handled meanwhile sees the post;
+* "written" is sent by the producer's hold only after every early write of the key has
+  ended; an early write that failed makes the hold send everything again (once the failed
+  one is quiesced), so "written ok" always means every byte landed. An aborted prefill
+  never gets a hold, so never "written".
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import kvtransport as kvt
+
+from .context import WorkerContext
+from .kv_layout import block_segments, head_slice, remote_layouts
+from .messages import KVTransportMetadata
+from .routing import producer_key
+from .staging import KVDevice
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LayerJob", "LayerwiseMetadata", "LayerwisePlanner", "LayerwiseWriter"]
+
+
+# ------------------------------------------------------------------ scheduler side
+@dataclass
+class LayerJob:
+    """Prompt blocks of ``req_id`` complete after this step and not before."""
+
+    req_id: str
+    key: str
+    block_ids: list[int]  # the request's blocks at ``first`` .. ``end`` - 1 (positions)
+    first: int  # first block position
+    end: int  # one past the last
+    prompt_blocks: int  # blocks of the whole prompt (the consumer's blocks pair with its tail)
+
+
+@dataclass
+class LayerwiseMetadata(KVTransportMetadata):
+    layerwise: list[LayerJob] = field(default_factory=list)
+
+
+@dataclass
+class _Track:
+    key: str
+    prompt_tokens: int
+    block_ids: list[int] = field(default_factory=list)
+
+
+def _wants_remote_decode(params: Any) -> bool:
+    if not isinstance(params, dict):
+        return False
+    v = params.get("do_remote_decode")
+    return v is True or (isinstance(v, str) and v.lower() == "true")
+
+
+class LayerwisePlanner:
+    """Scheduler process: which prompt blocks each step completes, per remote-decode prefill."""
+
+    def __init__(self, engine_id: str, block_size: int) -> None:
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self._reqs: dict[str, _Track] = {}
+
+    def on_new_request(self, request: Any) -> None:
+        if _wants_remote_decode(getattr(request, "kv_transfer_params", None)):
+            rid = request.request_id
+            self._reqs[rid] = _Track(producer_key(self.engine_id, rid), int(request.num_prompt_tokens))
+
+    def forget(self, req_id: str) -> None:
+        self._reqs.pop(req_id, None)
+
+    def wrap(self, meta: KVTransportMetadata, scheduler_output: Any) -> LayerwiseMetadata:
+        out = LayerwiseMetadata(recv=meta.recv, hold=meta.hold, notices=meta.notices)
+        out.layerwise = self.plan(scheduler_output)
+        return out
+
+    def plan(self, so: Any) -> list[LayerJob]:
+        for rid in getattr(so, "finished_req_ids", ()) or ():
+            self._reqs.pop(rid, None)
+        if not self._reqs:
+            return []
+        jobs: list[LayerJob] = []
+        sched = so.num_scheduled_tokens
+        for nr in so.scheduled_new_reqs:
+            t = self._reqs.get(nr.req_id)
+            if t is not None:
+                t.block_ids = list(nr.block_ids[0]) if nr.block_ids else []
+                self._job(jobs, nr.req_id, t, int(nr.num_computed_tokens), sched.get(nr.req_id, 0))
+        cached = so.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, rid in enumerate(cached.req_ids):
+            t = self._reqs.get(rid)
+            if t is None:
+                continue
+            new = cached.new_block_ids[i]
+            if rid in resumed:
+                t.block_ids = list(new[0]) if new else []
+            elif new:
+                t.block_ids += list(new[0])
+            self._job(jobs, rid, t, int(cached.num_computed_tokens[i]), sched.get(rid, 0))
+        return jobs
+
+    def _job(self, jobs: list[LayerJob], rid: str, t: _Track, computed: int, scheduled: int) -> None:
+        bs = self.block_size
+        if computed >= t.prompt_tokens:  # decoding (max_tokens > 1): nothing of the prompt left
+            return
+        done = min(computed + scheduled, t.prompt_tokens)
+        end = -(-done // bs) if done == t.prompt_tokens else done // bs
+        first = computed // bs
+        end = min(end, len(t.block_ids))
+        if end > first:
+            jobs.append(LayerJob(rid, t.key, t.block_ids[first:end], first, end, -(-t.prompt_tokens // bs)))
+
+
+# ------------------------------------------------------------------ worker side
+@dataclass
+class _Post:
+    write: Any
+    ended: bool = False
+    ok: bool = False
+
+
+@dataclass
+class _KeyWrites:
+    """The early writes of one key, all to one destination."""
+
+    engine: str
+    dst_block_ids: list[int]
+    load: str
+    layers: int
+    posts: list[_Post] = field(default_factory=list)
+    posting: int = 0  # posts decided under the lock, agent.write not returned yet
+    #: block position -> layers posted for it (a position is covered once every layer is)
+    layer_count: dict[int, set[int]] = field(default_factory=dict)
+    #: (source, destination) block ids posted at each position (the hold pairs alike)
+    pair_at: dict[int, tuple[int, int]] = field(default_factory=dict)
+    failed: bool = False
+    touched: float = 0.0
+
+    def in_flight(self) -> bool:
+        return self.posting > 0 or any(not p.ended for p in self.posts)
+
+
+class LayerwiseWriter:
+    """Worker: posts each layer's completed blocks to a destination known early.
+
+    ``producer`` is the worker's :class:`~.producer.Producer` (its consumer hand-shakes,
+    early destinations and ended keys); ``layer_index`` maps vLLM's layer names to the
+    registered layouts; ``kv_device`` is the device ordering point run before each post."""
+
+    def __init__(self, ctx: WorkerContext, producer: Any, layer_index: dict[str, int], kv_device: KVDevice) -> None:
+        self.ctx = ctx
+        self.producer = producer
+        self.layer_index = layer_index
+        self.kv_device = kv_device
+        self.jobs: list[LayerJob] = []
+        self.keys: dict[str, _KeyWrites] = {}
+
+    # -------------------------------------------------------------- engine thread
+    def begin_step(self, meta: Any) -> None:
+        """This step's jobs (none for metadata without layer-wise rows)."""
+        self.jobs = list(getattr(meta, "layerwise", None) or [])
+
+    def save_layer(self, layer_name: str) -> None:
+        """``save_kv_layer``: post this layer's bytes of each job's completed blocks."""
+        if not self.jobs:
+            return
+        layer = self.layer_index.get(layer_name)
+        if layer is None:
+            return
+        for job in self.jobs:
+            try:
+                self._post_layer(job, layer)
+            except Exception as exc:  # a post refused: the hold's whole-request path sends it all
+                log.warning("layer-wise WRITE of %s layer %d refused: %s", job.key, layer, exc)
+
+    def _post_layer(self, job: LayerJob, layer: int) -> None:
+        ctx, prod = self.ctx, self.producer
+        with ctx.lock:
+            early = prod.early_dest.get(job.key)
+            if (early is None or len(early[0]) != 1 or job.key in prod.ended or job.key in prod.holds):
+                return
+            dest = early[0][0]
+            if dest.readers != 1 or dest.engine not in prod.consumer_md or dest.engine not in prod.consumer_layouts:
+                return  # several consumer ranks, or no hand-shake yet: the whole-request path
+            kw = self.keys.get(job.key)
+            if kw is not None and (kw.dst_block_ids != dest.block_ids or kw.load != dest.load or kw.failed):
+                return  # another destination than the early writes went to, or one failed
+            offset = job.prompt_blocks - len(dest.block_ids)
+            pos = [p for p in range(job.first, job.end) if p - offset >= 0]
+            if not pos:
+                return
+            if kw is None:
+                kw = self.keys[job.key] = _KeyWrites(dest.engine, list(dest.block_ids), dest.load,
+                                                     len(ctx.local_layouts))
+            kw.posting += 1  # before the lock is released: a cancel now gets "pending"
+            kw.touched = time.monotonic()
+            md = prod.consumer_md[dest.engine]
+            info = prod.consumer_layouts[dest.engine]
+        write, posted = None, False
+        try:
+            src = [job.block_ids[p - job.first] for p in pos]
+            dst = [dest.block_ids[p - offset] for p in pos]
+            # ordering point: this layer's KV of these blocks is complete in the registered memory
+            self.kv_device.before_send(src)
+            peer = prod.consumer_peers.get(dest.engine)
+            if peer is None:
+                peer = ctx.agent.connect(md)
+                prod.consumer_peers[dest.engine] = peer
+            ours = ctx.layout.kv_heads if ctx.layout is not None else 0
+            n = dest.num_heads
+            remote = block_segments(head_slice(remote_layouts(peer, info), info.kv_heads, dest.dst_head,
+                                               n or info.kv_heads)[layer:layer + 1], dst)
+            local = block_segments(head_slice(ctx.local_layouts, ours, dest.src_head, n or ours)[layer:layer + 1], src)
+            write = ctx.agent.write(peer, local, remote, timeout=ctx.cfg.transfer_timeout_s)
+            posted = True
+        finally:
+            with ctx.lock:
+                kw.posting -= 1
+                if posted:
+                    kw.posts.append(_Post(write))
+                    for p, s, d in zip(pos, src, dst):
+                        if kw.pair_at.get(p) != (s, d):  # first post here, or other blocks now
+                            kw.pair_at[p], kw.layer_count[p] = (s, d), set()
+                        kw.layer_count[p].add(layer)
+                else:
+                    kw.failed = True
+
+    def poll(self, now: float) -> None:
+        """Note which early writes have ended (a failed one only once quiesced: T3) and
+        forget keys that ended with nothing in flight."""
+        with self.ctx.lock:
+            open_posts = [(kw, p) for kw in self.keys.values() for p in kw.posts if not p.ended]
+        for kw, p in open_posts:
+            st = p.write.status()  # outside the lock: polling may drive the backend
+            if st.state is kvt.State.PENDING or (st.state is kvt.State.FAILED and not st.quiesced):
+                continue
+            with self.ctx.lock:
+                p.ended, p.ok = True, st.state is kvt.State.DONE
+                if p.ok:
+                    self.ctx.stats["bytes"] += p.write.nbytes
+                else:
+                    kw.failed = True
+                    self.ctx.stats["failures"] += 1
+        with self.ctx.lock:
+            prod, lease = self.producer, self.ctx.cfg.lease_s
+            for key in [k for k, kw in self.keys.items() if not kw.in_flight() and (
+                    k in prod.ended or (k not in prod.holds and k not in prod.early_dest
+                                        and now - kw.touched > lease))]:
+                del self.keys[key]
+
+    # -------------------------------------------------------------- under the lock
+    def in_flight(self, key: str) -> bool:
+        """An early write of ``key`` may still land in the consumer's blocks."""
+        kw = self.keys.get(key)
+        return kw is not None and kw.in_flight()
+
+    def uncovered(self, key: str, dest: Any, src_groups: list[list[int]], dst_groups: list[list[int]]
+                  ) -> tuple[list[list[int]], list[list[int]]]:
+        """The (source, destination) block pairs the hold still has to write: those no early
+        write covered in every layer to the same destination (all of them after a failed
+        early write). Only called once no early write is in flight."""
+        kw = self.keys.get(key)
+        if (kw is None or kw.failed or len(src_groups) != 1 or kw.dst_block_ids != list(dest.block_ids)
+                or kw.load != dest.load):
+            return src_groups, dst_groups
+        covered = {kw.pair_at[p] for p, n in kw.layer_count.items() if len(n) >= kw.layers}
+        pairs = [(s, d) for s, d in zip(src_groups[0], dst_groups[0]) if (s, d) not in covered]
+        return [[s for s, _ in pairs]], [[d for _, d in pairs]]
