@@ -141,6 +141,9 @@ class Producer:
         #: WriteReq that came before the hold (messages race the scheduler's metadata)
         self.early_dest: dict[str, tuple[list[Dest], float]] = {}  # one per consumer rank
         self.consumer_md: OrderedDict[str, bytes] = OrderedDict()  # consumer engine name -> agent metadata
+        #: layer-wise WRITE (layerwise.LayerwiseWriter, set by the worker when layerwise_write
+        #: is on): its early writes of a key count as in flight for every rule of this module
+        self.layerwise: Any = None
         self.consumer_peers: dict[str, Any] = {}
         self.consumer_layouts: dict[str, LayoutInfo] = {}
         self.done_sending: set[str] = set()
@@ -185,7 +188,7 @@ class Producer:
     def end_hold(self, h: Hold, why: str) -> bool:
         """Give the blocks back to vLLM (done_sending). Caller holds the lock. Refused
         (False) while a write may be in flight: the invariant of this module."""
-        if h.write_in_flight:
+        if h.write_in_flight or (self.layerwise is not None and self.layerwise.in_flight(h.key)):
             return False
         self.holds.pop(h.key, None)
         _remember(self.ended, h.key, why)
@@ -238,6 +241,8 @@ class Producer:
                 return
             if h.dest is None:
                 return
+            if self.layerwise is not None and self.layerwise.in_flight(h.key):
+                return  # layer-wise: the rest is sent (and "written" told) once early writes ended
             dest = h.dest
             h.state = HoldState.POSTING  # before the lock is released (module invariant)
         self._post_write(h, dest)
@@ -266,13 +271,19 @@ class Producer:
         # each KV cache group's destination blocks pair with ours at the same positions (both
         # lists end at the prompt's last block); a model with one group is one such group
         paired = align_tails(split(h.block_ids, h.group_sizes), split(dest.block_ids, dest.group_sizes))
-        next_state, fail, write = HoldState.NOTIFY, "", None
+        next_state, write = HoldState.NOTIFY, None
+        fail: str | None = ""  # None: nothing left to post, every byte is already written
         h.posted_at = time.monotonic()  # POSTING: only this thread touches the hold
         try:
             if isinstance(paired, str):
                 fail = paired
             else:
-                write, next_state = self._write(dest, *paired)
+                if self.layerwise is not None:  # only what no layer-wise early write covered
+                    paired = self.layerwise.uncovered(h.key, dest, *paired)
+                if self.layerwise is None or any(paired[0]):
+                    write, next_state = self._write(dest, *paired)
+                else:
+                    fail = None  # every block already written, layer by layer: nothing left to post
         except Exception as exc:  # a peer's bad block ids or layout: refuse the write, never the step
             fail = f"write refused: {type(exc).__name__}: {exc}"
         except BaseException:
@@ -285,7 +296,7 @@ class Producer:
                 h.write = write
                 self.ctx.stats["transfers"] += 1
             elif next_state is HoldState.NOTIFY:
-                h.write_ok, h.write_reason, h.last_sent = False, fail, 0.0
+                h.write_ok, h.write_reason, h.last_sent = fail is None, fail or "", 0.0
 
     def _write(self, dest: Dest, src_groups: list[list[int]], dst_groups: list[list[int]]) -> tuple[Any, HoldState]:
         engine = dest.engine
@@ -416,6 +427,8 @@ class Producer:
     def answer_give_up(self, key: str, now: float, rank: int = -1, readers: int = 1) -> str:
         """Release (READ) / Cancel (WRITE) from consumer ``rank``: "acked" means no write
         of ours can land in its blocks any more."""
+        if self.layerwise is not None and self.layerwise.in_flight(key):
+            return "pending"  # a layer-wise early write may still land in its blocks
         h = self.holds.get(key)
         if h is None:
             return self._unknown(key, give_up=True, done=False, rank=rank, readers=readers)
