@@ -90,7 +90,8 @@ def test_cross_layer_with_two_kv_cache_groups_refused_naming_the_setting():
                                sliding_window=32)
     groups = [KVCacheGroupSpec(["layers.0", "layers.2"], full), KVCacheGroupSpec(["layers.1", "layers.3"], window)]
     kcc = get_kv_cache_config_from_groups(cfg, groups, available_memory=full.page_size_bytes * 4 * NUM_BLOCKS)
-    caches = allocate_kv_cache(kcc, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout(), [BLOCK, BLOCK])
+    layout = cfg.cache_config.get_resolved_kv_cache_layout()
+    caches = allocate_kv_cache(kcc, torch.device("cpu"), layout, [BLOCK, BLOCK])
     assert caches["layers.0"].data_ptr() == caches["layers.1"].data_ptr()  # the groups overlay
     with pytest.raises(KVLayoutError, match="cross-layer layout with several KV cache groups.*kv_cache_layout"):
         describe_kv_caches(caches, NUM_BLOCKS, HEADS, BLOCK)

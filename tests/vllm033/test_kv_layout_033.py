@@ -43,9 +43,9 @@ def _vllm_config(extra: dict | None, *, mla: bool = False) -> VllmConfig:
                      seed=0, max_model_len=2048)
     ktc = KVTransferConfig(kv_connector="KVTransportConnector", kv_role="kv_consumer", engine_id="L",
                            kv_connector_extra_config=dict(extra or {}))
-    return VllmConfig(model_config=mc, scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256,
-                                                                        max_model_len=2048, is_encoder_decoder=False),
-                      cache_config=CacheConfig(block_size=16), kv_transfer_config=ktc, device_config=DeviceConfig("cpu"))
+    sc = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=2048, is_encoder_decoder=False)
+    return VllmConfig(model_config=mc, scheduler_config=sc, cache_config=CacheConfig(block_size=16),
+                      kv_transfer_config=ktc, device_config=DeviceConfig("cpu"))
 
 
 LAYOUT_CASES = [
