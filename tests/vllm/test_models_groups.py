@@ -165,3 +165,23 @@ def test_only_transferable_groups_move_and_hits_count_as_p2p(mode):
         pair.assert_no_leak()
     finally:
         pair.close()
+
+
+def test_chunked_local_attention_is_refused_at_start():
+    """A KV cache group kind that is not per-token blocks from the prompt's start (chunked
+    local attention) is refused when the engine builds its scheduler, naming the group."""
+    from kvtransport_vllm.config import ConnectorConfigError
+    from kvtransport_vllm.plugin import register
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+
+    register()
+    cfg = make_vllm_config("kv_consumer", {"backend": "loopback", "side_channel_port": free_port_base(4)}, BLOCK)
+    cfg.cache_config.num_gpu_blocks = 16
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32)
+    local = ChunkedLocalAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
+                                      dtype=torch.float32, attention_chunk_size=64)
+    kcc = KVCacheConfig(num_blocks=16, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["layers.0"], local), KVCacheGroupSpec(["layers.1"], full)])
+    with pytest.raises(ConnectorConfigError, match=r"ChunkedLocalAttentionSpec \(layers layers\.0\)"):
+        Scheduler(vllm_config=cfg, kv_cache_config=kcc, log_stats=False,
+                  structured_output_manager=StructuredOutputManager(cfg), block_size=BLOCK)
