@@ -42,6 +42,7 @@ from .kv_groups import align_tails, flatten, split
 from .kv_layout import block_segments, head_slice, remote_layouts
 from .load_stats import HOLD_CAUSES, Cause, count_outcome, record_transfer
 from .messages import Hello, HoldJob, LayoutInfo, Msg, Reply, WriteReq, Written
+from .producer_peers import reconnect
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,10 @@ class Producer:
         #: is on): its early writes of a key count as in flight for every rule of this module
         self.layerwise: Any = None
         self.consumer_peers: dict[str, Any] = {}
+        #: connections to consumers that a failed write or a new hand-shake retired: closed
+        #: when the next write connects again (``producer_peers.reconnect``: new endpoints,
+        #: not the failed ones a backend may keep for a peer still loaded)
+        self.retired_peers: dict[str, Any] = {}
         self.consumer_layouts: dict[str, LayoutInfo] = {}
         self.done_sending: set[str] = set()
         #: releases from some of several readers before we learnt of the hold:
@@ -256,6 +261,8 @@ class Producer:
             return False  # keep the blocks aside until nothing more can land (T3)
         ok = st.state is kvt.State.DONE
         with self.ctx.lock:
+            if not ok and h.dest is not None and self.consumer_peers.get(h.dest.engine) is h.write.peer:
+                self.retired_peers[h.dest.engine] = self.consumer_peers.pop(h.dest.engine)
             if ok:
                 self.ctx.stats["bytes"] += h.write.nbytes
                 record_transfer(self.ctx.stats, time.monotonic() - h.posted_at, h.write.nbytes,
@@ -305,7 +312,7 @@ class Producer:
             md = self.consumer_md.get(engine)
             if md is None:
                 return None, HoldState.HELD  # hand-shake not seen yet (messages race); next step
-            peer = self.ctx.agent.connect(md)
+            peer = reconnect(self.ctx.agent, md, self.retired_peers.pop(engine, None))
             self.consumer_peers[engine] = peer
         info = self.consumer_layouts[engine]
         ours = self.ctx.layout.kv_heads if self.ctx.layout is not None else 0
@@ -353,12 +360,15 @@ class Producer:
     # Each answer_* is called with the lock held, per key, and returns the key's status.
 
     def on_hello(self, msg: Hello) -> None:
-        self.consumer_peers.pop(msg.engine_id, None)  # restarted consumer: reconnect
+        old = self.consumer_peers.pop(msg.engine_id, None)  # restarted consumer: reconnect
+        if old is not None:
+            self.retired_peers[msg.engine_id] = old
         _remember(self.consumer_md, msg.engine_id, msg.agent_md, _MAX_CONSUMERS)
         self.consumer_layouts[msg.engine_id] = msg.layout
         for gone in set(self.consumer_layouts) - set(self.consumer_md):  # forgotten: all three go
             self.consumer_layouts.pop(gone, None)
             self.consumer_peers.pop(gone, None)
+            self.retired_peers.pop(gone, None)
 
     def _unknown(self, key: str, give_up: bool, done: bool, rank: int = -1, readers: int = 1,
                  load: str = "") -> str:

@@ -26,7 +26,22 @@ from .messages import Error, Hello, LayoutInfo, Msg, Welcome
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PeerConn", "ProducerPeers"]
+__all__ = ["PeerConn", "ProducerPeers", "reconnect"]
+
+
+def reconnect(agent: kvt.Agent, md: bytes, old: kvt.Peer | None) -> kvt.Peer:
+    """Connect to a peer from its metadata, closing our previous connection to it first.
+
+    Why: a connection is re-made only after a transfer on it failed (or its peer
+    restarted). The peer may still be alive behind a link that flapped or an endpoint
+    that errored; connecting again over the old connection can reuse the dead endpoint
+    (NIXL keeps a loaded remote agent's endpoints across a second load of its metadata),
+    so the old one is disconnected first and the backend builds new endpoints. One
+    mechanism for every backend; the transfers still on the old connection fail now
+    (they were on a connection known to have failed)."""
+    if old is not None and agent.peers.get(old.name) is old:
+        agent.disconnect(old)
+    return agent.connect(md)
 
 
 @dataclass
@@ -92,7 +107,7 @@ class ProducerPeers:
                    f"{p.host}:{p.port}, no byte moved: {diff}")
             return
         try:
-            peer = self.ctx.agent.connect(msg.agent_md)
+            peer = reconnect(self.ctx.agent, msg.agent_md, p.kvt_peer)
         except kvt.errors.KVTransportError as exc:
             p.fail(f"cannot connect to {msg.engine_id}: {exc}")
             return
