@@ -87,10 +87,6 @@ def _model_info(vllm_config: VllmConfig) -> Any:
 
 
 class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
-    # Loaded tokens come from a peer engine's KV cache.
-    if _P2P_SOURCE is not None:
-        _cache_hit_source = _P2P_SOURCE
-
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
         self.cfg = ConnectorConfig.from_vllm(vllm_config)
@@ -191,6 +187,12 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
             self._scheduler.update_connector_output(connector_output)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
+        """Loaded tokens come from a peer engine's KV cache (vLLM's hits by source)."""
+        if _P2P_SOURCE is None:  # pragma: no cover - vLLM without hit sources never asks
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return {_P2P_SOURCE: num_external_tokens}
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
         # We transfer the request's own blocks of every transferable group.
