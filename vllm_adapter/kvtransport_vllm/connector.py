@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from .config import ConnectorConfig, ConnectorConfigError, data_parallel_rank
 from .kv_groups import check_group_kinds, group_infos
+from .layerwise import LayerwisePlanner
 from .messages import KVTransportMetadata
 from .scheduler import KVTransportScheduler
 from .spec_decode import refusal as spec_decode_refusal
@@ -126,9 +127,13 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
         apply_spin_yield(self.cfg.vllm_spin_yield)
         self._scheduler: KVTransportScheduler | None = None
         self._worker: Any = None
+        #: layer-wise WRITE: which prompt blocks each step completes (layerwise.py)
+        self._layerwise: LayerwisePlanner | None = None
         if role == KVConnectorRole.SCHEDULER:
             tp_size = vllm_config.parallel_config.tensor_parallel_size
             self._scheduler = KVTransportScheduler(self.cfg, block_size, tp_size, dp_rank, groups)
+            if self.cfg.layerwise_write and self.cfg.is_producer:
+                self._layerwise = LayerwisePlanner(self.cfg.engine_id, block_size)
         else:
             from .worker import KVTransportWorker
 
@@ -157,6 +162,12 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
 
         return required_layout(vllm_config)
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise WRITE posts from save_kv_layer, between layers: a full CUDA graph would
+        replay the forward without those calls, so vLLM must capture piecewise graphs."""
+        return (extra_config or {}).get("layerwise_write") is True
+
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
@@ -165,6 +176,8 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
     def on_new_request(self, request: Any) -> None:
         if self._scheduler is not None:
             self._scheduler.on_new_request(request)
+        if self._layerwise is not None:
+            self._layerwise.on_new_request(request)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None
@@ -172,14 +185,19 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_connector_meta(scheduler_output)
+        meta = self._scheduler.build_connector_meta(scheduler_output)
+        return self._layerwise.wrap(meta, scheduler_output) if self._layerwise is not None else meta
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
+        if self._layerwise is not None:
+            self._layerwise.forget(request.request_id)
         return self._scheduler.request_finished(request, block_ids)
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
+        if self._layerwise is not None:
+            self._layerwise.forget(request.request_id)
         # hybrid models: every group's blocks (a sliding-window group's out-of-window
         # blocks are vLLM's null block by now and are never moved)
         return self._scheduler.request_finished(request, tuple(list(g) for g in block_ids))
@@ -240,7 +258,8 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return
+        # layerwise_write: this layer's completed prompt blocks leave now (else a no-op)
+        self._worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
         # Producer: the prefill of this step has been computed, push what is ready.

@@ -227,6 +227,8 @@ class LayerwiseWriter:
             if kw is None:
                 kw = self.keys[job.key] = _KeyWrites(dest.engine, list(dest.block_ids), dest.load,
                                                      len(ctx.local_layouts))
+            if dest.engine not in prod.consumer_peers and dest.engine in getattr(prod, "retired_peers", {}):
+                return  # a failed connection to replace: the whole-request path reconnects
             kw.posting += 1  # before the lock is released: a cancel now gets "pending"
             kw.touched = time.monotonic()
             md = prod.consumer_md[dest.engine]
@@ -238,7 +240,7 @@ class LayerwiseWriter:
             # ordering point: this layer's KV of these blocks is complete in the registered memory
             self.kv_device.before_send(src)
             peer = prod.consumer_peers.get(dest.engine)
-            if peer is None:
+            if peer is None:  # first write to this consumer (a retired connection: see _post_layer)
                 peer = ctx.agent.connect(md)
                 prod.consumer_peers[dest.engine] = peer
             ours = ctx.layout.kv_heads if ctx.layout is not None else 0

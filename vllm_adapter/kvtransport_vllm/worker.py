@@ -41,6 +41,7 @@ from .context import WorkerContext, new_stats
 from .handlers import SideChannelHandlers
 from .kv_groups import GroupInfo
 from .kv_layout import KVLayoutError, check_uniform, describe_kv_caches
+from .layerwise import LayerwiseWriter
 from .messages import Aborted, KVTransportMetadata, LayoutInfo, Msg, PeerNotice, Release, Renew
 from .producer import Hold, Producer
 from .side_channel import SideChannelServer, wait_for_any
@@ -125,6 +126,8 @@ class KVTransportWorker:
         #: staged loads whose copy into the device cache is enqueued: reported once the
         #: fence is ready (polled each get_finished, never waited for)
         self._copying: list[tuple[Fence, set[str]]] = []
+        #: layer-wise WRITE (layerwise_write): set when the KV caches are registered
+        self.layerwise: LayerwiseWriter | None = None
 
     # ------------------------------------------------------------------ shared state
     # (read by tests and the soak harness: the tables are the state machines' own)
@@ -205,6 +208,7 @@ class KVTransportWorker:
             attn_layout=layers[0].attn_layout,
         )
         ctx.agent_md = ctx.agent.metadata()
+        self._start_layerwise(list(kv_caches))
         try:
             self.server = SideChannelServer(
                 self.cfg.side_channel_host,
@@ -236,6 +240,26 @@ class KVTransportWorker:
                 "the producer with a backend that moves its KV memory directly (docs/GPU.md)."
             )
 
+    def _start_layerwise(self, layer_names: list[str]) -> None:
+        """layerwise_write on a producer: post each layer's blocks from save_kv_layer. One
+        KV cache group only (a hybrid model's groups pair blocks per group: refused here)."""
+        if not (self.cfg.layerwise_write and self.cfg.is_producer):
+            return
+        if self.ctx.layer_group:
+            self.ctx.agent.close()
+            self.ctx.agent = None
+            raise ConnectorConfigError(
+                "KVTransportConnector: layerwise_write supports models with one KV cache group; this model has "
+                f"{len(set(self.ctx.layer_group))} (hybrid). Drop layerwise_write for it.")
+        self.layerwise = LayerwiseWriter(self.ctx, self.producer, {n: i for i, n in enumerate(layer_names)},
+                                         self.kv_device)
+        self.producer.layerwise = self.layerwise
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """vLLM's per-layer hook, right after ``layer_name``'s attention wrote its KV."""
+        if self.layerwise is not None:
+            self.layerwise.save_layer(layer_name)
+
     def shutdown(self) -> None:
         self._side_channel_closed = self._side_channel_totals()
         if self.server is not None:
@@ -257,6 +281,8 @@ class KVTransportWorker:
     def on_metadata(self, meta: KVTransportMetadata | None) -> None:
         """Take this step's new work from the scheduler half (once per metadata object: the
         connector offers it at bind time and again at start_load_kv)."""
+        if self.layerwise is not None and meta is not self._taken_meta:
+            self.layerwise.begin_step(meta)  # this step's blocks (none without metadata)
         if meta is None or meta is self._taken_meta:
             return
         self._taken_meta = meta
@@ -284,6 +310,8 @@ class KVTransportWorker:
         self._send_notices()
         self._poll_replies()
         self.consumer.advance(now)
+        if self.layerwise is not None:
+            self.layerwise.poll(now)
         self.producer.advance(now)
         self.consumer.renew(now)
 
