@@ -1,0 +1,167 @@
+"""Connections that heal: the backend's connection between a producer and a consumer
+engine breaks while both engines stay up; the next requests load remote KV again, with
+no engine restart, no leaked block and no leaked connection.
+
+Two real engines (``tests/vllm/harness.py``: real vLLM Schedulers and connector
+workers, real backends) in this process. How the connection is broken, per backend:
+
+* ``ucx`` over tcp, ``nixl`` (its UCX plugin over tcp) and ``mooncake`` (its TCP
+  transport): every established TCP connection of this process that is not a side
+  channel is reset with ``ss -K`` (the kernel aborts the socket; the other end reads a
+  connection reset). That is what a NIC reset or a middlebox dropping the flow does: the
+  peer process is still there, its endpoint is dead.
+* ``loopback`` (CMA, no connection to break) and ``ucx`` over shared memory (UCX reports
+  no endpoint errors there): the consumer's (READ) or producer's (WRITE) agent declares
+  the peer dead (``kvtransport.faults`` ``kill_peer``) and then alive again, the model of
+  a link that is down and comes back; the connector's reconnection is what is checked.
+
+What is asserted, as a user checks it: the request right after the break is served
+(loaded, or recomputed with intact KV under policy ``recompute``, never stale); the one
+after it loads its prompt KV remotely, byte-exact; the failed load is counted in the
+connector's stats (what ``/metrics`` exports); both block pools end full; this process
+holds no more backend connections than before the break.
+
+Skipped, with the reason, where ``ss`` cannot reset sockets (no iproute2, no
+CAP_NET_ADMIN, kernel without ``INET_DIAG_DESTROY``) or a backend is not usable here.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+
+import pytest
+
+import kvtransport as kvt
+from harness import Pair, prompt_of
+
+pytestmark = pytest.mark.timeout(240)
+
+#: backend settings per case; TCP kept on the loopback device
+TCP_CASES = {
+    "ucx-tcp": {"backend": "ucx", "backend_options": {"tls": "tcp", "net_devices": "lo"}},
+    "nixl": {"backend": "nixl"},
+    "mooncake": {"backend": "mooncake"},
+}
+FAULT_CASES = {
+    "loopback": {"backend": "loopback", "backend_options": {"faults": {"seed": 1}}},
+    "ucx-shm": {"backend": "ucx", "backend_options": {"tls": "shm", "faults": {"seed": 1}}},
+}
+
+
+def _usable(backend: str) -> None:
+    info = {b.name: b for b in kvt.available_backends()}
+    if backend not in info or not info[backend].usable:
+        pytest.skip(f"{backend} backend not usable here: {info.get(backend) and info[backend].reason}")
+
+
+def _own_tcp(exclude_ports: set[int]) -> list[tuple[str, str]]:
+    """(local, peer) of this process's established TCP connections, side channels excluded."""
+    out = subprocess.run(["ss", "-tnpH", "state", "established"], capture_output=True, text=True,
+                         timeout=20).stdout
+    mine = f"pid={os.getpid()},"
+    conns = []
+    for line in out.splitlines():
+        if mine not in line:
+            continue
+        loc, peer = line.split()[2:4]
+        if {int(loc.rsplit(":", 1)[1]), int(peer.rsplit(":", 1)[1])} & exclude_ports:
+            continue
+        conns.append((loc, peer))
+    return conns
+
+
+def _reset(conns: list[tuple[str, str]]) -> None:
+    for loc, peer in conns:
+        (la, lp), (pa, pp) = loc.rsplit(":", 1), peer.rsplit(":", 1)
+        subprocess.run(["ss", "-K", "-tnH", "src", la.strip("[]"), "sport", "=", lp, "dst", pa.strip("[]"),
+                        "dport", "=", pp], capture_output=True, text=True, timeout=20)
+
+
+@pytest.fixture(scope="module")
+def can_reset():
+    """Skip unless ``ss -K`` really aborts a socket of this process here."""
+    if shutil.which("ss") is None:
+        pytest.skip("iproute2 'ss' not found; cannot reset a TCP connection")
+    srv = socket.create_server(("127.0.0.1", 0))
+    c = socket.create_connection(srv.getsockname())
+    a, _ = srv.accept()
+    try:
+        _reset([(f"127.0.0.1:{c.getsockname()[1]}", f"127.0.0.1:{srv.getsockname()[1]}")])
+        try:
+            c.send(b"x")
+            a.recv(1)
+            pytest.skip("'ss -K' did not reset the connection (kernel without INET_DIAG_DESTROY?)")
+        except OSError:
+            pass
+    finally:
+        for s in (a, c, srv):
+            s.close()
+
+
+def _load(pair: Pair, rid: str, seed: int) -> bool:
+    """One request through both engines; True when its prompt KV was loaded remotely.
+    Either way its prompt KV must be the prompt's (loaded byte-exact or recomputed)."""
+    prompt = prompt_of(50, seed)
+    params = pair.prefill("p" + rid, prompt)
+    pair.C.add(rid, prompt, 2, params)
+    assert pair.run_to_end_checking_kv(rid, prompt) == [[]], f"{rid}: KV differs from the prompt's"
+    return pair.C.first_start[rid] >= len(prompt) - 1
+
+
+def _failures(pair: Pair) -> int:
+    return sum(int(o.kv_connector_stats.data.get("failures", 0)) for o in pair.C.kv_outputs
+               if o.kv_connector_stats)
+
+
+def _heals(pair: Pair, brk, mend=lambda: None) -> None:
+    assert _load(pair, "r1", 1), "the first load was recomputed before anything broke"
+    brk()
+    first = _load(pair, "r2", 2)  # the break is found by this request's transfer (or not at all)
+    mend()
+    assert _load(pair, "r3", 3), "the connection did not heal: the request after the break was recomputed"
+    assert _load(pair, "r4", 4)
+    if not first:
+        assert _failures(pair) >= 1, "a load failed but the connector's stats counted no failure"
+    pair.drain()
+    pair.assert_no_leak()
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+@pytest.mark.parametrize("case", list(TCP_CASES))
+def test_connection_reset_heals(can_reset, case, mode):
+    extra = TCP_CASES[case]
+    _usable(extra["backend"])
+    pair = Pair(mode, p_extra=extra, c_extra=extra, timeout_s=3.0)
+    try:
+        side = set(range(pair.p_port, pair.p_port + 8))
+        held: list[int] = []
+
+        def brk() -> None:
+            conns = _own_tcp(side)
+            assert conns, "the backend holds no TCP connection: nothing to reset"
+            held.append(len(conns))
+            _reset(conns)
+
+        _heals(pair, brk)
+        assert len(_own_tcp(side)) <= held[0], "backend connections leaked across the reconnect"
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+@pytest.mark.parametrize("case", list(FAULT_CASES))
+def test_peer_declared_dead_then_back_heals(case, mode):
+    extra = FAULT_CASES[case]
+    _usable(extra["backend"])
+    pair = Pair(mode, p_extra=extra, c_extra=extra, timeout_s=3.0)
+    try:
+        # READ: the consumer moves the bytes (its agent loses the producer); WRITE: the producer
+        mover, peer = (pair.C, "P-tp0") if mode == "read" else (pair.P, "C-tp0")
+        faults = mover.worker._worker.agent.faults
+        _heals(pair, lambda: faults.kill_peer(peer), lambda: faults.revive_peer(peer))
+        assert faults.plan.injected.get("fail_dead_peer", 0) >= 1, "the dead peer was never tried"
+    finally:
+        pair.close()
