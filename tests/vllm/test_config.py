@@ -23,10 +23,17 @@ def test_unknown_key_names_key_and_accepted_ones():
     ({"gil_switch_interval_s": "nan"}, "gil_switch_interval_s must be between"),
     ({"transfer_timeout_s": 30, "lease_s": 5}, "lease_s .* must be >= transfer_timeout_s"),
     ({"backend_options": [1]}, "backend_options must be"),
+    ({"kv_cache_layout": "HND"}, r"kv_cache_layout must be one of \['cross_layer', 'heads_outer', 'vllm'\]"),
 ])
 def test_bad_values(extra, msg):
     with pytest.raises(ConnectorConfigError, match=msg):
         ConnectorConfig.from_extra("kv_consumer", "e", extra)
+
+
+@pytest.mark.parametrize("layout", ["heads_outer", "cross_layer", "vllm"])
+def test_kv_cache_layout_is_a_setting(layout):
+    """The layout the connector asks vLLM for is an ordinary setting (not refused as unknown)."""
+    ConnectorConfig.from_extra("kv_consumer", "e", {"kv_cache_layout": layout})
 
 
 def test_bad_role():

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvtransport.auth import AUTH_OFF, AuthConfigError, Authenticator, load_secret
 
+from .layout_request import LAYOUT_CONFIG_KEYS, layout_setting
 from .spin_yield import SPIN_YIELD_MODES
 
 __all__ = ["ConnectorConfig", "ConnectorConfigError", "EXTRA_CONFIG_KEYS", "AUTH_CHANNEL", "routable_host",
@@ -57,6 +58,7 @@ EXTRA_CONFIG_KEYS: dict[str, str] = {
     "layerwise_write": "false (default) or true: in mode write, a producer that knows the decode's block ids "
     "during its prefill (router flow) pushes each layer's completed blocks from save_kv_layer while the next "
     "layers compute; the rest follows when the prefill ends",
+    **LAYOUT_CONFIG_KEYS,
 }
 
 _MODES = ("read", "write")
@@ -208,6 +210,7 @@ class ConnectorConfig:
                 f"KVTransportConnector: unknown kv_connector_extra_config key(s) {unknown}; "
                 f"accepted keys: {sorted(EXTRA_CONFIG_KEYS)}"
             )
+        layout_setting(extra)  # the layout vLLM was asked for (connector classmethod): a bad value fails here too
         if kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
             raise ConnectorConfigError(
                 f"KVTransportConnector: kv_role must be kv_producer, kv_consumer or kv_both, got {kv_role!r}"
