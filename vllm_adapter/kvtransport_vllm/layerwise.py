@@ -250,6 +250,7 @@ class LayerwiseWriter:
             local = block_segments(head_slice(ctx.local_layouts, ours, dest.src_head, n or ours)[layer:layer + 1], src)
             write = ctx.agent.write(peer, local, remote, timeout=ctx.cfg.transfer_timeout_s)
             posted = True
+            log.debug("layer-wise WRITE %s: layer %d, prompt blocks %d..%d", job.key, layer, pos[0], pos[-1])
         finally:
             with ctx.lock:
                 kw.posting -= 1
