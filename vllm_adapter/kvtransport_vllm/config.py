@@ -53,6 +53,10 @@ EXTRA_CONFIG_KEYS: dict[str, str] = {
     "running the connector; auto uses sleep (time.sleep(0), keeps the side-channel thread served) while more vLLM "
     "worker processes share this process's CPUs than there are CPUs, else sched_yield (vLLM's own) "
     "(docs/VLLM.md, Busy-wait yield)",
+    # vllm-router service discovery (discovery.py): MoRIIOConnector's key names
+    "proxy_ip": "host of vllm-router's --vllm-discovery-address this engine registers with (default: none)",
+    "proxy_ping_port": "port of vllm-router's --vllm-discovery-address (with proxy_ip)",
+    "http_port": "this engine's --port, announced to vllm-router (with proxy_ip)",
     "kv_buffer_device": "auto (default: the transport moves the KV cache where it lives) or cpu (host staging: "
     "device blocks are copied through pinned host buffers, for transports without device memory support)",
     "layerwise_write": "false (default) or true: in mode write, a producer that knows the decode's block ids "
@@ -166,6 +170,8 @@ class ConnectorConfig:
     #: True when side_channel_host was chosen by this module (default route or
     #: loopback-only host), False when given (extra config or VLLM_HOST_IP)
     side_channel_host_auto: bool = False
+    #: vllm-router service discovery to register with (discovery.DiscoveryTarget); None: do not register
+    discovery: Any = None
 
     @property
     def side_channel_bind_host(self) -> str:
@@ -278,6 +284,7 @@ class ConnectorConfig:
                 f"KVTransportConnector: side_channel_host must be a host name or address (a string), got {given!r}"
             )
         host, host_auto = (given.strip(), False) if given and given.strip() else _default_host()
+        from .discovery import parse_discovery  # here: discovery.py imports this module's error type
         return cls(
             kv_role=kv_role,
             engine_id=str(engine_id or "engine"),
@@ -296,6 +303,7 @@ class ConnectorConfig:
             kv_buffer_device=buffer_device,
             gil_switch_interval_s=_switch_interval(extra.get("gil_switch_interval_s", 0.0005)),
             vllm_spin_yield=spin_yield,
+            discovery=parse_discovery(extra),
             layerwise_write=layerwise,
         )
 
