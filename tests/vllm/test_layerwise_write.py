@@ -163,6 +163,27 @@ def test_layerwise_write_pushes_each_chunk_during_the_prefill_and_bytes_match(lw
     pair.assert_no_leak()
 
 
+def test_destination_known_mid_prefill_gets_what_was_computed_then_the_rest(lw_pairs):
+    """The decode's block ids reach the producer after its first chunk: the next step pushes
+    that chunk's blocks too (push what is computed), then the rest as it is computed."""
+    pair = lw_pairs()
+    _warm_up(pair)
+    uuid = "00000000000000000000000000000a05"
+    p_rid, c_rid = _router_ids(pair, uuid)
+    prompt = prompt_of(100, seed=15)
+    pair.P.add(p_rid, prompt, 1, {"do_remote_decode": True})
+    pair.P.step()  # first chunk computed, nobody to send it to yet
+    _decode_first(pair, c_rid, uuid, prompt)
+    pair.P.step()  # second chunk: blocks 2-3, and 0-1 computed before the destination was known
+    _settle_posts(pair, uuid)
+    assert pair.P.status(p_rid) == RequestStatus.RUNNING, "the prefill is still running"
+    assert pair.C.check_kv(c_rid, prompt, 2 * CHUNK) == [], "blocks computed before the destination was known not pushed"
+    pair.run(lambda: pair.C.status(c_rid) == RequestStatus.RUNNING, timeout=30)
+    assert pair.C.check_kv(c_rid, prompt, len(prompt)) == []
+    pair.drain(30)
+    pair.assert_no_leak()
+
+
 # ---------------------------------------------------------------------------- invariants
 def test_written_waits_for_the_last_layers_posts_and_a_failed_post_is_sent_again(lw_pairs):
     """The last chunk's layer posts fail (they hang until the producer's transfer timeout):

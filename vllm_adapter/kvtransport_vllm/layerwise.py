@@ -62,8 +62,9 @@ class LayerJob:
 
     req_id: str
     key: str
-    block_ids: list[int]  # the request's blocks at ``first`` .. ``end`` - 1 (positions)
-    first: int  # first block position
+    block_ids: list[int]  # the request's blocks at positions ``first`` .. ``end`` - 1
+    first: int  # first block position (0: every complete block, so a destination known
+    #: only now gets what earlier steps computed; the writer skips what it already posted)
     end: int  # one past the last
     prompt_blocks: int  # blocks of the whole prompt (the consumer's blocks pair with its tail)
 
@@ -140,10 +141,9 @@ class LayerwisePlanner:
             return
         done = min(computed + scheduled, t.prompt_tokens)
         end = -(-done // bs) if done == t.prompt_tokens else done // bs
-        first = computed // bs
         end = min(end, len(t.block_ids))
-        if end > first:
-            jobs.append(LayerJob(rid, t.key, t.block_ids[first:end], first, end, -(-t.prompt_tokens // bs)))
+        if end > computed // bs:  # this step completes blocks
+            jobs.append(LayerJob(rid, t.key, t.block_ids[:end], 0, end, -(-t.prompt_tokens // bs)))
 
 
 # ------------------------------------------------------------------ worker side
@@ -221,7 +221,10 @@ class LayerwiseWriter:
             if kw is not None and (kw.dst_block_ids != dest.block_ids or kw.load != dest.load or kw.failed):
                 return  # another destination than the early writes went to, or one failed
             offset = job.prompt_blocks - len(dest.block_ids)
-            pos = [p for p in range(job.first, job.end) if p - offset >= 0]
+            # complete blocks the consumer wants, not yet posted for this layer to the same blocks
+            pos = [p for p in range(max(job.first, offset), job.end)
+                   if kw is None or layer not in kw.layer_count.get(p, ()) or kw.pair_at.get(p) != (
+                       job.block_ids[p - job.first], dest.block_ids[p - offset])]
             if not pos:
                 return
             if kw is None:
