@@ -31,6 +31,7 @@ import os
 import shutil
 import socket
 import subprocess
+from collections import Counter
 
 import pytest
 
@@ -42,9 +43,14 @@ pytestmark = pytest.mark.timeout(240)
 #: backend settings per case; TCP kept on the loopback device
 TCP_CASES = {
     "ucx-tcp": {"backend": "ucx", "backend_options": {"tls": "tcp", "net_devices": "lo"}},
-    "nixl": {"backend": "nixl"},
+    "nixl": {"backend": "nixl", "backend_options": {"tls": "tcp"}},
     "mooncake": {"backend": "mooncake"},
 }
+#: requests a reset may cost (recomputed) before the connection is re-made: Mooncake's
+#: transfer engine keeps its broken session for one more transfer (the hand-shake's probe)
+LOST_MAX = {"ucx-tcp": 1, "nixl": 1, "mooncake": 2}
+#: backends whose TCP connections are ours to count (Mooncake pools its own sessions)
+COUNTED = {"ucx-tcp", "nixl"}
 FAULT_CASES = {
     "loopback": {"backend": "loopback", "backend_options": {"faults": {"seed": 1}}},
     "ucx-shm": {"backend": "ucx", "backend_options": {"tls": "shm", "faults": {"seed": 1}}},
@@ -111,20 +117,35 @@ def _load(pair: Pair, rid: str, seed: int) -> bool:
     return pair.C.first_start[rid] >= len(prompt) - 1
 
 
-def _failures(pair: Pair) -> int:
-    return sum(int(o.kv_connector_stats.data.get("failures", 0)) for o in pair.C.kv_outputs
-               if o.kv_connector_stats)
+def _outcomes(pair: Pair) -> Counter:
+    """How the decode engine's loads ended, by cause: what ``/metrics`` exports as
+    ``vllm:kvtransport_outcomes_total{side="load", cause=...}``."""
+    total: Counter = Counter()
+    for o in pair.C.kv_outputs:
+        if o.kv_connector_stats:
+            total.update(o.kv_connector_stats.data.get("outcomes", {}))
+    return total
 
 
-def _heals(pair: Pair, brk, mend=lambda: None) -> None:
+def _heals(pair: Pair, brk, mend=lambda: None, lost_max: int = 1) -> None:
+    """Load, break, then at most ``lost_max`` requests recomputed before one loads remote
+    KV again; the one after it loads too. Failed loads are counted by cause."""
     assert _load(pair, "r1", 1), "the first load was recomputed before anything broke"
     brk()
-    first = _load(pair, "r2", 2)  # the break is found by this request's transfer (or not at all)
-    mend()
-    assert _load(pair, "r3", 3), "the connection did not heal: the request after the break was recomputed"
-    assert _load(pair, "r4", 4)
-    if not first:
-        assert _failures(pair) >= 1, "a load failed but the connector's stats counted no failure"
+    lost = 0
+    for i in range(lost_max + 1):
+        if i == 1:
+            mend()
+        if _load(pair, f"h{i}", 10 + i):
+            break
+        lost += 1
+    assert lost <= lost_max, f"the connection did not heal: {lost} requests after the break were recomputed"
+    assert _load(pair, "r9", 9), "the connection healed for one request only"
+    out = _outcomes(pair)
+    assert out["load:ok"] == 3, f"loads counted ok: {dict(out)}"
+    failed = sum(n for k, n in out.items() if k.startswith("load:") and k != "load:ok")
+    assert failed == lost, f"{lost} loads failed, counted by cause: {dict(out)}"
+    assert len(pair.C.worker._worker.agent.peers) == 1, "the decode engine's agent keeps a stale peer"
     pair.drain()
     pair.assert_no_leak()
 
@@ -145,8 +166,9 @@ def test_connection_reset_heals(can_reset, case, mode):
             held.append(len(conns))
             _reset(conns)
 
-        _heals(pair, brk)
-        assert len(_own_tcp(side)) <= held[0], "backend connections leaked across the reconnect"
+        _heals(pair, brk, lost_max=LOST_MAX[case])
+        if case in COUNTED:
+            assert len(_own_tcp(side)) <= held[0], "backend connections leaked across the reconnect"
     finally:
         pair.close()
 

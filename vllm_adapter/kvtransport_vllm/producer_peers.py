@@ -67,8 +67,13 @@ class PeerConn:
         """The hand-shake failed. Logged at error level once per peer and reason: every load
         from a refusing peer hand-shakes again (the peer may have been fixed), and an
         engine under load would otherwise log the same refusal once per request. A new
-        reason, or the same one after a successful hand-shake, is logged again."""
+        reason, or the same one after a successful hand-shake, is logged again.
+
+        The producer we last hand-shook with is forgotten (``engine_name``): a load that
+        begins after this failure hand-shakes again, also when the same producer answers
+        (a connection that failed to a producer still alive is re-made, not kept failed)."""
         self.state, self.error, self.failed_at = "failed", error, time.monotonic()
+        self.engine_name = ""
         if error == self.logged_error:
             log.debug("%s (repeated; logged once at error level)", error)
             return
