@@ -10,8 +10,8 @@ libraries under test. Tests that need one set it themselves (``monkeypatch.seten
 environment they build for a child process).
 
 Kept: the test runner's own contract (``KVT_REQUIRED_BACKENDS``, set by ``scripts/dev.sh``
-and ``.ci/run``) and opt-in locations for hardware-only tests, which configure no product
-behaviour.
+and ``.ci/run``), the knobs that select cases or say where reports go, and opt-in locations
+for hardware-only tests: none of them configures product behaviour.
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ KEPT = frozenset({
     "KVT_MORIIO_HOST",         # address of an RDMA host, for the hardware-only mori tests
     "KVT_MORI_WHEEL_CACHE",    # where the mori signature test keeps downloaded wheels
     "KVT_VENV",                # which venv scripts/dev.sh used
+    "KVT_E2E_KINDS",           # which model kinds tests/e2e/test_model_kinds.py runs
+    "KVT_E2E_BACKENDS",        # which backends the end-to-end tests run
+    "KVT_E2E_LOG_DIR",         # where end-to-end tests keep engine logs
+    "KVT_SOAK_REPORT",         # where the soak test writes its report
 })
 
 
