@@ -101,8 +101,21 @@ class KVTransportScheduler:
         if n <= 0:
             return 0, False
         if isinstance(found, RemoteSource):
+            if n < self.cfg.kv_recompute_threshold:
+                self._compute_locally(request, found)
+                return 0, False
             self.queued[request.request_id] = (found.key, found.peer.host, found.peer.port, found.remote_tp)
         return n, True
+
+    def _compute_locally(self, request: Request, src: RemoteSource) -> None:
+        """Too few tokens to be worth a remote load (``kv_recompute_threshold``): the
+        request is an ordinary local prefill from now on, and the producer frees its hold
+        now rather than at lease lapse. READ: it will never be read; WRITE: no write
+        request will come. One "release" covers both (the producer ends a hold without a
+        destination on it), sent once: the params stop asking for a remote prefill."""
+        request.kv_transfer_params["do_remote_prefill"] = False
+        self.queued.pop(request.request_id, None)
+        self._meta.notices.append(PeerNotice(src.key, src.peer.host, src.peer.port, "release", src.remote_tp))
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self.queued.pop(request.request_id, None)  # from now on the worker renews (or releases)
