@@ -18,7 +18,7 @@ Run: ``python -m pytest tests/e2e/test_hetero_tp.py -q`` (the four cases, ~5 min
 These runs once failed for a reason outside the connector's logic: vLLM's wait loops
 (``os.sched_yield``) starved the side-channel thread on the shared cores (three worker
 processes on two cores). The engines run with the connector's default
-``vllm_spin_yield: auto``, which sees that and yields with ``time.sleep(0)`` (docs/VLLM.md,
+``vllm_spin_yield: auto``, which sees that and yields with ``time.sleep(0)`` (docs/vllm/USAGE.md,
 "Busy-wait yield").
 """
 
@@ -119,7 +119,7 @@ def _engine(name: str, model: Path, log_dir: Path, tp: int, role: str, mode: str
     # the decode engine's steps slow down; this test checks tokens, not latency (a lease
     # lapsing while a request waits unvisited in vLLM 0.32's queue is a documented limit).
     # No vllm_spin_yield: a TP=2 engine and its partner put three spinning worker processes on
-    # 2 cores, which the default (auto) must handle (docs/VLLM.md, "Busy-wait yield")
+    # 2 cores, which the default (auto) must handle (docs/vllm/USAGE.md, "Busy-wait yield")
     ktc["kv_connector_extra_config"].update(transfer_timeout_s=60.0, lease_s=180.0)
     s = harness.vllm_server(name, model, log_dir, cpu=1 if tp == 1 else None, env_extra=env, extra_args=extra,
                             kv_transfer_config=ktc)

@@ -3,7 +3,7 @@
 What a user relies on: by default (``vllm_spin_yield: auto``) vLLM's shared-memory wait loop
 yields with ``time.sleep(0)`` while more vLLM worker processes share this process's CPUs
 than there are CPUs (the loop's ``os.sched_yield`` otherwise starves our side-channel thread,
-docs/VLLM.md "Busy-wait yield"), else with vLLM's own ``os.sched_yield``; ``sleep`` and
+docs/vllm/USAGE.md "Busy-wait yield"), else with vLLM's own ``os.sched_yield``; ``sleep`` and
 ``sched_yield`` fix the choice; a wrong value is a start-up error naming the setting.
 Checked on the installed vLLM, through real engines (Scheduler + both connector roles), and
 the census on this host's real processes.

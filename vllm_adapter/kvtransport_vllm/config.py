@@ -30,7 +30,7 @@ class ConnectorConfigError(ValueError):
     """``kv_transfer_config`` for KVTransportConnector is invalid; the message says how to fix it."""
 
 
-#: Accepted keys of ``kv_connector_extra_config`` and what each means (docs/VLLM.md).
+#: Accepted keys of ``kv_connector_extra_config`` and what each means (docs/vllm/USAGE.md).
 EXTRA_CONFIG_KEYS: dict[str, str] = {
     "backend": "kvtransport backend name (loopback, ucx, moriio or any installed entry point)",
     "mode": "read (decode pulls) or write (prefill pushes)",
@@ -52,7 +52,7 @@ EXTRA_CONFIG_KEYS: dict[str, str] = {
     "vllm_spin_yield": "auto (default), sleep or sched_yield: how vLLM's busy-wait loops yield in the processes "
     "running the connector; auto uses sleep (time.sleep(0), keeps the side-channel thread served) while more vLLM "
     "worker processes share this process's CPUs than there are CPUs, else sched_yield (vLLM's own) "
-    "(docs/VLLM.md, Busy-wait yield)",
+    "(docs/vllm/USAGE.md, Busy-wait yield)",
     # vllm-router service discovery (discovery.py): MoRIIOConnector's key names
     "proxy_ip": "host of vllm-router's --vllm-discovery-address this engine registers with (default: none)",
     "proxy_ping_port": "port of vllm-router's --vllm-discovery-address (with proxy_ip)",

@@ -19,7 +19,7 @@ and, where one TP worker of an engine stalled past vLLM's
 ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` (300 s: the engine core's wait for a step's
 result), the engine died. With ``time.sleep(0)`` (a system call that releases the GIL
 without the scheduler's yield accounting) the same engines served each request in
-0.1-0.2 s (docs/VLLM.md, "Busy-wait yield").
+0.1-0.2 s (docs/vllm/USAGE.md, "Busy-wait yield").
 
 The price of ``time.sleep(0)``: a spinner no longer hands its core to a ready process
 of the same engine, so where an engine's processes share one core the hops between them
@@ -159,7 +159,7 @@ class AutoYield:
             how = "time.sleep(0)" if self._sleep else "vLLM's os.sched_yield()"
             log.info("kvtransport: vLLM's busy-wait loops in this process (pid %d) yield with %s: %d vLLM worker "
                      "process(es) on this host share %d CPU(s) with it (vllm_spin_yield: auto; set sleep or "
-                     "sched_yield to fix the choice; docs/VLLM.md, Busy-wait yield)", os.getpid(), how,
+                     "sched_yield to fix the choice; docs/vllm/USAGE.md, Busy-wait yield)", os.getpid(), how,
                      census.workers, census.cpus)
 
 
@@ -204,5 +204,5 @@ def apply_spin_yield(mode: str) -> list[str]:
             changed.append(name)
     if changed and mode == "sleep":
         log.info("kvtransport: vLLM's busy-wait loops in this process yield with time.sleep(0) "
-                 "(vllm_spin_yield: sleep; docs/VLLM.md, Busy-wait yield)")
+                 "(vllm_spin_yield: sleep; docs/vllm/USAGE.md, Busy-wait yield)")
     return changed
