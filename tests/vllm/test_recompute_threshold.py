@@ -72,5 +72,5 @@ def test_threshold_counts_tokens_beyond_the_local_prefix_hit(pairs, mode):
 
 @pytest.mark.parametrize("bad", [-1, "many", float("nan"), float("inf")])
 def test_bad_threshold_refused_at_start_up(pairs, bad):
-    with pytest.raises(ConnectorConfigError, match="kv_recompute_threshold"):
+    with pytest.raises(ConnectorConfigError, match="kv_recompute_threshold must be"):
         pairs("read", c_extra={"kv_recompute_threshold": bad})
