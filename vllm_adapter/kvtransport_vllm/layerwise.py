@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kvtransport as kvt
+import numpy as np
 
 from .context import WorkerContext
 from .kv_layout import block_segments, head_slice, remote_layouts
@@ -148,31 +149,29 @@ class LayerwisePlanner:
 
 # ------------------------------------------------------------------ worker side
 @dataclass
-class _Post:
-    write: Any
-    ended: bool = False
-    ok: bool = False
-
-
-@dataclass
 class _KeyWrites:
-    """The early writes of one key, all to one destination."""
+    """The early writes of one key, all to one destination. Positions are the prompt's
+    block positions; arrays, so a step's bookkeeping is no Python loop per block."""
 
     engine: str
     dst_block_ids: list[int]
     load: str
-    layers: int
-    posts: list[_Post] = field(default_factory=list)
+    #: [layer, position]: that layer's bytes of the block pair below were posted
+    posted: np.ndarray
+    src_at: np.ndarray  # [position]: our block id posted there (-1: none)
+    dst_at: np.ndarray  # [position]: the consumer's block id it went to
+    open: list[Any] = field(default_factory=list)  # writes not ended (a failed one: not quiesced)
     posting: int = 0  # posts decided under the lock, agent.write not returned yet
-    #: block position -> layers posted for it (a position is covered once every layer is)
-    layer_count: dict[int, set[int]] = field(default_factory=dict)
-    #: (source, destination) block ids posted at each position (the hold pairs alike)
-    pair_at: dict[int, tuple[int, int]] = field(default_factory=dict)
     failed: bool = False
     touched: float = 0.0
 
+    @classmethod
+    def new(cls, engine: str, dst_block_ids: list[int], load: str, layers: int, blocks: int) -> _KeyWrites:
+        return cls(engine, list(dst_block_ids), load, np.zeros((layers, blocks), bool),
+                   np.full(blocks, -1, np.int64), np.full(blocks, -1, np.int64))
+
     def in_flight(self) -> bool:
-        return self.posting > 0 or any(not p.ended for p in self.posts)
+        return self.posting > 0 or bool(self.open)
 
 
 class LayerwiseWriter:
@@ -220,28 +219,32 @@ class LayerwiseWriter:
             kw = self.keys.get(job.key)
             if kw is not None and (kw.dst_block_ids != dest.block_ids or kw.load != dest.load or kw.failed):
                 return  # another destination than the early writes went to, or one failed
-            offset = job.prompt_blocks - len(dest.block_ids)
-            # complete blocks the consumer wants, not yet posted for this layer to the same blocks
-            pos = [p for p in range(max(job.first, offset), job.end)
-                   if kw is None or layer not in kw.layer_count.get(p, ()) or kw.pair_at.get(p) != (
-                       job.block_ids[p - job.first], dest.block_ids[p - offset])]
-            if not pos:
-                return
-            if kw is None:
-                kw = self.keys[job.key] = _KeyWrites(dest.engine, list(dest.block_ids), dest.load,
-                                                     len(ctx.local_layouts))
             if dest.engine not in prod.consumer_peers and dest.engine in getattr(prod, "retired_peers", {}):
                 return  # a failed connection to replace: the whole-request path reconnects
+            if kw is not None and kw.posted.shape[1] != job.prompt_blocks:
+                return
+            offset = job.prompt_blocks - len(dest.block_ids)  # the consumer's blocks pair with our tail
+            pos = np.arange(max(job.first, offset), job.end)
+            if not len(pos):
+                return
+            src = np.asarray(job.block_ids, np.int64)[pos - job.first]
+            dst = np.asarray(dest.block_ids, np.int64)[pos - offset]
+            if kw is not None:  # complete blocks not yet posted for this layer to the same blocks
+                need = ~kw.posted[layer, pos] | (kw.src_at[pos] != src) | (kw.dst_at[pos] != dst)
+                pos, src, dst = pos[need], src[need], dst[need]
+                if not len(pos):
+                    return
+            else:
+                kw = self.keys[job.key] = _KeyWrites.new(dest.engine, dest.block_ids, dest.load,
+                                                         len(ctx.local_layouts), job.prompt_blocks)
             kw.posting += 1  # before the lock is released: a cancel now gets "pending"
             kw.touched = time.monotonic()
             md = prod.consumer_md[dest.engine]
             info = prod.consumer_layouts[dest.engine]
         write, posted = None, False
         try:
-            src = [job.block_ids[p - job.first] for p in pos]
-            dst = [dest.block_ids[p - offset] for p in pos]
             # ordering point: this layer's KV of these blocks is complete in the registered memory
-            self.kv_device.before_send(src)
+            self.kv_device.before_send(src.tolist())
             peer = prod.consumer_peers.get(dest.engine)
             if peer is None:  # first write to this consumer (a retired connection: see _post_layer)
                 peer = ctx.agent.connect(md)
@@ -253,16 +256,16 @@ class LayerwiseWriter:
             local = block_segments(head_slice(ctx.local_layouts, ours, dest.src_head, n or ours)[layer:layer + 1], src)
             write = ctx.agent.write(peer, local, remote, timeout=ctx.cfg.transfer_timeout_s)
             posted = True
-            log.debug("layer-wise WRITE %s: layer %d, prompt blocks %d..%d", job.key, layer, pos[0], pos[-1])
+            log.debug("layer-wise WRITE %s: layer %d, prompt blocks %d..%d", job.key, layer, int(pos[0]), int(pos[-1]))
         finally:
             with ctx.lock:
                 kw.posting -= 1
                 if posted:
-                    kw.posts.append(_Post(write))
-                    for p, s, d in zip(pos, src, dst):
-                        if kw.pair_at.get(p) != (s, d):  # first post here, or other blocks now
-                            kw.pair_at[p], kw.layer_count[p] = (s, d), set()
-                        kw.layer_count[p].add(layer)
+                    kw.open.append(write)
+                    moved = (kw.src_at[pos] != src) | (kw.dst_at[pos] != dst)  # other blocks now
+                    kw.posted[:, pos[moved]] = False
+                    kw.src_at[pos], kw.dst_at[pos] = src, dst
+                    kw.posted[layer, pos] = True
                 else:
                     kw.failed = True
 
@@ -270,15 +273,15 @@ class LayerwiseWriter:
         """Note which early writes have ended (a failed one only once quiesced: T3) and
         forget keys that ended with nothing in flight."""
         with self.ctx.lock:
-            open_posts = [(kw, p) for kw in self.keys.values() for p in kw.posts if not p.ended]
-        for kw, p in open_posts:
-            st = p.write.status()  # outside the lock: polling may drive the backend
+            open_posts = [(kw, w) for kw in self.keys.values() for w in kw.open]
+        for kw, w in open_posts:
+            st = w.status()  # outside the lock: polling may drive the backend
             if st.state is kvt.State.PENDING or (st.state is kvt.State.FAILED and not st.quiesced):
                 continue
             with self.ctx.lock:
-                p.ended, p.ok = True, st.state is kvt.State.DONE
-                if p.ok:
-                    self.ctx.stats["bytes"] += p.write.nbytes
+                kw.open.remove(w)
+                if st.state is kvt.State.DONE:
+                    self.ctx.stats["bytes"] += w.nbytes
                 else:
                     kw.failed = True
                     self.ctx.stats["failures"] += 1
@@ -304,6 +307,11 @@ class LayerwiseWriter:
         if (kw is None or kw.failed or len(src_groups) != 1 or kw.dst_block_ids != list(dest.block_ids)
                 or kw.load != dest.load):
             return src_groups, dst_groups
-        covered = {kw.pair_at[p] for p, n in kw.layer_count.items() if len(n) >= kw.layers}
-        pairs = [(s, d) for s, d in zip(src_groups[0], dst_groups[0]) if (s, d) not in covered]
-        return [[s for s, _ in pairs]], [[d for _, d in pairs]]
+        s = np.asarray(src_groups[0], np.int64)
+        d = np.asarray(dst_groups[0], np.int64)
+        n = kw.posted.shape[1]
+        at = np.arange(len(s)) + (n - len(s))  # the pairs end at the prompt's last block
+        inside = at >= 0
+        at = np.clip(at, 0, max(n - 1, 0))
+        covered = inside & kw.posted[:, at].all(axis=0) & (kw.src_at[at] == s) & (kw.dst_at[at] == d)
+        return [s[~covered].tolist()], [d[~covered].tolist()]
