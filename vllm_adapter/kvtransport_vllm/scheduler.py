@@ -87,7 +87,9 @@ class KVTransportScheduler:
         shorter than one block, or fully cached locally, loads nothing. Params that ask
         for a remote prefill but cannot be loaded from are announced like a load too: the
         worker fails it at once, so vLLM's load failure policy applies (recompute or fail)
-        instead of a silent local prefill.
+        instead of a silent local prefill. Fewer loadable tokens than
+        ``kv_recompute_threshold`` (beyond the local hit, as NixlConnector counts them)
+        are not worth a transfer: the request is prefilled locally instead.
         """
         found = self._remote_load(request)
         if found is None:
