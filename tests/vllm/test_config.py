@@ -100,23 +100,6 @@ def test_full_and_sliding_window_groups_are_accepted():
     KVTransportConnector(cfg, KVConnectorRole.SCHEDULER, kcc)
 
 
-def test_mamba_state_group_fails_at_start_naming_the_group_and_the_way_out():
-    """A Mamba (SSM state) group holds one running state per request, not per-token KV
-    blocks: moving it as blocks would be wrong, so the engine refuses to start."""
-    import torch
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
-
-    from kvtransport_vllm.connector import KVTransportConnector
-
-    cfg = make_vllm_config("kv_consumer", {})
-    kcc = _groups(FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32),
-                  MambaSpec(block_size=16, shapes=((4, 64),), dtypes=(torch.float32,)))
-    with pytest.raises(ConnectorConfigError, match="MambaSpec") as exc:
-        KVTransportConnector(cfg, KVConnectorRole.SCHEDULER, kcc)
-    assert "layer1" in str(exc.value) and "without a KV connector" in str(exc.value)
-
-
 def test_load_failure_policy_reaches_vllm_scheduler():
     base = free_port_base()
     e = Engine("kv_consumer", {"side_channel_port": base, "load_failure_policy": "recompute"},
