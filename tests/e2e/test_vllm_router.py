@@ -26,7 +26,12 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
+import zmq
+
+from kvtransport_vllm.config import ConnectorConfig, ConnectorConfigError
+from kvtransport_vllm.discovery import start_discovery
 
 from . import harness, prompts
 from .conftest import _LIVE, BASELINE_SEEDS
@@ -82,6 +87,54 @@ def _wait_registered(router: VllmServer, kind: str, engine: VllmServer, side_por
             f"vllm-router did not register the {kind.lower()} engine {engine.url} within {timeout_s}s:\n"
             f"{router.log_tail()}")
         time.sleep(0.2)
+
+
+def _config(**extra) -> ConnectorConfig:
+    return ConnectorConfig.from_extra("kv_producer", "e", dict(side_channel_host="127.0.0.1",
+                                                             side_channel_auth="off", **extra))
+
+
+def test_registration_reaches_a_discovery_listener():
+    """What vllm-router's discovery listener receives: one msgpack map per beat naming the
+    role, the HTTP address, the side channel as a MoRIIO address, the sizes and the mode;
+    closing stops the beats."""
+    ctx = zmq.Context()
+    listener = ctx.socket(zmq.ROUTER)
+    try:
+        port = listener.bind_to_random_port("tcp://127.0.0.1")
+        cfg = _config(mode="write", proxy_ip="127.0.0.1", proxy_ping_port=port, http_port=8100)
+        beat = start_discovery(cfg.discovery, producer=cfg.is_producer, host=cfg.side_channel_host,
+                               side_channel_port=5600, mode=cfg.mode, tp_size=2)
+        assert beat is not None
+        try:
+            assert listener.poll(10_000), "no registration within 10 s"
+            _, body = listener.recv_multipart()
+        finally:
+            beat.close()
+        assert msgspec.msgpack.decode(body) == {
+            "type": "P", "http_address": "127.0.0.1:8100",
+            "zmq_address": "host:127.0.0.1,handshake:5600,notify:5600",
+            "dp_size": 1, "tp_size": 2, "transfer_mode": "WRITE"}
+        while listener.poll(0):  # a beat sent before close
+            listener.recv_multipart()
+        assert not listener.poll(4_000), "beats went on after close()"
+    finally:
+        listener.close(0)
+        ctx.term()
+
+
+def test_registration_settings_checked_at_start():
+    """No proxy_ip: no registration. proxy_ip without a port, or a bad port: refused naming
+    the key. A data-parallel engine with proxy_ip: refused (one address cannot name its rank)."""
+    assert _config().discovery is None and _config(proxy_ip="").discovery is None
+    with pytest.raises(ConnectorConfigError, match="proxy_ping_port', 'http_port"):
+        _config(proxy_ip="127.0.0.1")
+    with pytest.raises(ConnectorConfigError, match="http_port must be a TCP port"):
+        _config(proxy_ip="127.0.0.1", proxy_ping_port=30001, http_port=70000)
+    cfg = _config(proxy_ip="127.0.0.1", proxy_ping_port=30001, http_port=8100)
+    with pytest.raises(ConnectorConfigError, match="data parallel"):
+        start_discovery(cfg.discovery, producer=True, host="127.0.0.1", side_channel_port=5600, mode="write",
+                        tp_size=1, dp_rank=1)
 
 
 def test_vllm_router_moriio_mode_write(tiny_model, vocab_size, log_dir, baseline):

@@ -170,6 +170,9 @@ class DiscoveryHeartbeat:
         """Stop beating (the router drops the engine when beats stop) and free the socket."""
         self._stop.set()
         self._thread.join(timeout=5)
+        if self._thread.is_alive():  # never hang a shutdown: leave the context to the process exit
+            log.warning("kvtransport discovery: heartbeat thread did not stop within 5 s")
+            return
         self._ctx.term()
 
 
