@@ -53,4 +53,8 @@ def test_params_win_over_router_id():
 def test_transfer_key_shared_by_both_engines():
     # Both engines see the router id (possibly wrapped differently) -> same key.
     assert transfer_key({}, RID) == transfer_key({}, f"cmpl-{RID}-3-beef") == UUID
-    assert transfer_key({"transfer_id": "P:r1"}, RID) == "P:r1"
+    # under a router id the uuid wins over a transfer_id (vllm-router's moriio mode sends both
+    # engines a "tx-..." id of its own, under which no producer of ours holds anything)
+    assert transfer_key({"transfer_id": "tx-0123abcd"}, RID) == UUID
+    # a plain request id: the producer's own transfer_id
+    assert transfer_key({"transfer_id": "P:r1"}, "cmpl-abc") == "P:r1"

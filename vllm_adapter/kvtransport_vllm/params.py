@@ -7,10 +7,12 @@ them from the keys NixlConnector documents (``do_remote_prefill``, ``remote_engi
 ``remote_num_tokens``, ``tp_size``) and drop the rest, including our ``transfer_id``.
 Both must load the remote KV. The transfer key is therefore derived, in this order, from
 
-1. ``transfer_id`` (our producer's own key, when forwarded);
-2. ``remote_engine_id`` + ``remote_request_id``, through :func:`~.routing.producer_key`,
-   the very function the producer keys its hold with (so the two can never disagree);
-3. a MoRIIO router request id on the consumer's own request (its 32-hex uuid).
+1. a MoRIIO router request id on the consumer's own request (its 32-hex uuid: the producer
+   keyed its hold on the same id, and vllm-router's moriio mode sends both engines a
+   ``transfer_id`` of its own that no producer of ours holds under);
+2. ``transfer_id`` (our producer's own key, when forwarded);
+3. ``remote_engine_id`` + ``remote_request_id``, through :func:`~.routing.producer_key`,
+   the very function the producer keys its hold with (so the two can never disagree).
 
 Params that ask for a remote prefill but lack what the load needs raise
 :class:`KVTransferParamsError` naming the missing keys; the scheduler turns that into a

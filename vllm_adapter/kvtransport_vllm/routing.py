@@ -108,15 +108,20 @@ def producer_key(engine_id: str, request_id: str) -> str:
 
 
 def transfer_key(params: dict[str, Any] | None, request_id: str) -> str | None:
-    """The key both engines use for one transfer, seen from the consumer: ``transfer_id``
-    from the params, else :func:`producer_key` of NixlConnector's ``remote_engine_id`` and
-    ``remote_request_id`` (the producer's own derivation, so routers that drop
-    ``transfer_id`` still agree with it), else the router uuid of ``request_id``, else None."""
+    """The key both engines use for one transfer, seen from the consumer: the router uuid
+    of ``request_id`` when it is a MoRIIO compound id (the producer keyed its hold on the same
+    id's uuid; vllm-router's moriio mode also sends both engines a ``transfer_id`` of its own,
+    which no producer of ours holds under), else ``transfer_id`` from the params, else
+    :func:`producer_key` of NixlConnector's ``remote_engine_id`` and ``remote_request_id``
+    (the producer's own derivation, so routers that drop ``transfer_id`` still agree with
+    it), else None."""
     params = params or {}
+    rid = parse_router_request_id(request_id)
+    if rid is not None:
+        return rid.uuid
     if params.get("transfer_id"):
         return str(params["transfer_id"])
     engine, remote_rid = params.get("remote_engine_id"), params.get("remote_request_id")
     if engine and remote_rid:
         return producer_key(str(engine), str(remote_rid))
-    rid = parse_router_request_id(request_id)
-    return rid.uuid if rid else None
+    return None

@@ -38,6 +38,7 @@ import kvtransport as kvt
 from .config import ConnectorConfig, ConnectorConfigError, rank_port
 from .consumer import Consumer, Recv, plan_ranks
 from .context import WorkerContext, new_stats
+from .discovery import DiscoveryHeartbeat, start_discovery
 from .handlers import SideChannelHandlers
 from .kv_groups import GroupInfo
 from .kv_layout import KVLayoutError, check_uniform, describe_kv_caches
@@ -95,6 +96,9 @@ class KVTransportWorker:
         self.tp_size = tp_size
         self.name = f"{cfg.engine_id}-tp{tp_rank}"
         self.port = rank_port(cfg.side_channel_port, dp_rank, tp_size, tp_rank)  # docs/VLLM.md, Data parallel
+        self._dp_rank = dp_rank
+        #: registration with vllm-router's service discovery (discovery.py), when configured
+        self._discovery: DiscoveryHeartbeat | None = None
         self.server: SideChannelServer | None = None
         #: seals/opens every side-channel message (None only if explicitly disabled)
         self._auth = cfg.make_authenticator()
@@ -225,6 +229,10 @@ class KVTransportWorker:
         log.info("kvtransport worker %s: %d layers, %s backend, side channel %s:%d, KV memory: %s",
                  self.name, len(layers), self.cfg.backend, self.cfg.side_channel_host, self.port,
                  self.kv_device.describe())
+        if self.tp_rank == 0:  # one registration per engine, once its side channel listens
+            self._discovery = start_discovery(self.cfg.discovery, producer=self.cfg.is_producer,
+                                              host=self.cfg.side_channel_host, side_channel_port=self.port,
+                                              mode=self.cfg.mode, tp_size=self.tp_size, dp_rank=self._dp_rank)
 
     def _check_staging_mode(self) -> None:
         """Host staging on a READ-mode producer is refused: the consumer may read our host
@@ -261,6 +269,9 @@ class KVTransportWorker:
             self.layerwise.save_layer(layer_name)
 
     def shutdown(self) -> None:
+        if self._discovery is not None:  # first: the router stops sending before we stop serving
+            self._discovery.close()
+            self._discovery = None
         self._side_channel_closed = self._side_channel_totals()
         if self.server is not None:
             self.server.close()
