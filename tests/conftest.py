@@ -46,5 +46,12 @@ SCRUBBED = scrub_environment(os.environ)
 os.environ["HF_HUB_OFFLINE"] = "1"  # models are local files; never reach for a hub
 
 
+def pytest_addoption(parser) -> None:
+    parser.getgroup("kvtransport").addoption(
+        "--link-flap", action="store_true", default=False,
+        help="also run tests/e2e/test_link_flap.py (a real link cut per backend between two network "
+             "namespaces, 10-15 minutes; docs/bench/HEALING.md)")
+
+
 def pytest_report_header() -> str:
     return ("environment scrubbed of: " + ", ".join(SCRUBBED)) if SCRUBBED else "environment: nothing to scrub"
