@@ -849,7 +849,15 @@ def open_agent(backend: str = "loopback", *, name: str | None = None,
     av = probe_class(cls)
     if not av.usable:
         raise BackendUnavailableError(backend, av.reason, av.install_hint)
-    impl: Backend = cls(cfg.name, options)
+    try:
+        impl: Backend = cls(cfg.name, options)
+    except KVTransportError:
+        raise
+    except Exception as exc:  # a library's own error (e.g. UCX refusing a device): typed, named
+        raise BackendUnavailableError(
+            backend, f"it failed to start with options {sorted(options)}: {type(exc).__name__}: {exc}",
+            "check the options that name devices or transports on this host; `kvtransport backends` "
+            "says what this host supports") from exc
     try:
         if cfg.faults is not None:
             impl = FaultInjectingBackend(impl, cfg.faults)

@@ -173,3 +173,17 @@ def test_the_spi_default_does_not_call_a_failed_unquiesced_transfer_quiesced():
     finally:
         a.close()
         b.close()
+
+
+def test_a_library_error_while_a_backend_starts_is_typed_and_names_it():
+    """A backend whose library refuses to start (UCX asked for a NIC this host does not
+    have, as ``kvtransport doctor`` is on a host whose link is down) is a typed error
+    naming the backend, the options and the library's own words, not the library's raw
+    exception escaping ``kvtransport.open``."""
+    from kvtransport.testing.required import skip_unless_usable
+
+    skip_unless_usable("ucx")
+    with pytest.raises(errors.BackendUnavailableError) as exc:
+        kvt.open("ucx", name="no-nic", tls="tcp", net_devices="kvt-no-such-nic")
+    msg = str(exc.value)
+    assert "'ucx'" in msg and "net_devices" in msg and "No such device" in msg

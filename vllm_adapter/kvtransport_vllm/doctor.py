@@ -301,8 +301,8 @@ def _move_block(v: Verdict, who: str, host: str, port: int, info: ProbeInfo, aut
     try:
         rng = np.random.default_rng()
         scratch = rng.integers(0, 256, 2 * n, dtype=np.uint8)  # two different random halves
-        region = agent.register(scratch)
-        try:
+        try:  # registering needs the backend's devices too (UCX: a NIC without carrier is refused)
+            region = agent.register(scratch)
             peer = agent.connect(info.agent_md)
             layouts = remote_layouts(peer, info.layout)
         except kvt.errors.KVTransportError as exc:
