@@ -71,9 +71,10 @@ REFERENCE_ARGS = {"ssm": ENGINE_ARGS["ssm"]}
 ALL_CASES = ["mla-read", "mla-write", "sliding-read", "sliding-write", "ssm-read", "ssm-write", "ngram-read",
              "ngram-write"]
 #: CI runs one mode per model kind to stay within its time budget (each case starts two
-#: engines); KVT_E2E_KINDS=all runs the four (READ and WRITE are both covered per kind by
-#: the Scheduler-level tests, tests/vllm/test_hybrid.py)
-DEFAULT_CASES = ["mla-read", "sliding-write", "ssm-read", "ssm-write", "ngram-read"]
+#: engines, an ssm case also its own reference engine); KVT_E2E_KINDS=all runs every case
+#: (READ and WRITE are both covered per kind by the Scheduler-level tests,
+#: tests/vllm/test_hybrid.py and tests/vllm/test_models_ssm.py)
+DEFAULT_CASES = ["mla-read", "sliding-write", "ssm-write", "ngram-read"]
 _env = os.environ.get("KVT_E2E_KINDS", "")
 CASES = ALL_CASES if _env == "all" else [c.strip() for c in _env.split(",") if c.strip()] or DEFAULT_CASES
 EXTERNAL = {"source": "external_kv_transfer"}
