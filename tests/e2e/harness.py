@@ -61,6 +61,9 @@ def base_env(cpu: int | None) -> dict[str, str]:
         # every thread's Python stack to the log on a fatal signal: stall_report() sends
         # SIGABRT to a stalled server's processes to see where each one waits
         PYTHONFAULTHANDLER="1",
+        # the engines' INFO lines are evidence some tests read (e.g. the busy-wait yield each
+        # engine chose); never inherit a quieter level another test module set in this process
+        VLLM_LOGGING_LEVEL="INFO",
     )
     if cpu is not None:
         # One OpenMP thread pinned per engine: two engines share 2 cores fairly.
