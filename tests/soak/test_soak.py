@@ -84,7 +84,7 @@ def test_soak_ucx(request, mode):
     n = request.config.getoption("--soak-requests", default=None)
     # lane_split_bytes=0: every transfer is shared by both lanes, so the soak's faults also
     # hit the multi-lane completion and failure paths.
-    cfg = SoakConfig(mode=mode, requests=int(n) if n else 150, seed=seed + 200, backend="ucx",
+    cfg = SoakConfig(mode=mode, requests=int(n) if n else 400, seed=seed + 200, backend="ucx",
                      backend_options={"tls": "tcp", "lane_split_bytes": 0})
     _check(Soak(cfg).run(), {"core_fail", "sc_drop"})
 
