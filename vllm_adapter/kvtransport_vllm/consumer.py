@@ -111,7 +111,21 @@ class Consumer:
 
     def peer(self, host: str, port: int) -> PeerConn:
         """Our connection to the producer worker at ``port`` (hand-shake sent if due)."""
+        p = self.peers.get((host, port))
+        if p is not None and p.state == "draining" and not self._reads_in_flight_on(p.kvt_peer):
+            p.state = "new"  # nothing more in flight on the old connection: hand-shake again
         return self.producers.get(host, port)
+
+    def _reads_in_flight_on(self, peer: Any) -> bool:
+        """Whether reads posted on ``peer`` (a connection to be re-made) may still be moving.
+
+        Why: re-making a connection disconnects the old one, which fails every read still on
+        it. One failed read (its deadline, a refused post) says nothing of its siblings;
+        failing them too would turn one failed load into many. New loads from that producer
+        wait until these reads ended (each by its own deadline at the latest)."""
+        with self.ctx.lock:
+            return any(r.state is RecvState.READ and pc.transfer is not None and pc.transfer.peer is peer
+                       for r in self.recv.values() for pc in r.pieces)
 
     def poll_replies(self) -> list[Msg]:
         """Take the hand-shake replies; return every other reply from producers."""
@@ -346,7 +360,7 @@ class Consumer:
         have restarted at the same address with new memory)."""
         p = self.peers.get((host, port))
         if p is not None and p.state == "ready":
-            p.state = "new"
+            p.state = "draining"  # hand-shake again once no read is in flight on it (``peer``)
 
     def _send_confirm(self, r: Recv, now: float) -> None:
         """"Done with key?" to every producer rank of ``r`` not yet ``ok`` (the seam the

@@ -312,6 +312,8 @@ class Producer:
             md = self.consumer_md.get(engine)
             if md is None:
                 return None, HoldState.HELD  # hand-shake not seen yet (messages race); next step
+            if self._writes_in_flight_on(self.retired_peers.get(engine)):
+                return None, HoldState.HELD  # the failed connection drains first; next step
             peer = reconnect(self.ctx.agent, md, self.retired_peers.pop(engine, None))
             self.consumer_peers[engine] = peer
         info = self.consumer_layouts[engine]
@@ -324,6 +326,20 @@ class Producer:
                                *flatten(src_groups), lg)
         return (self.ctx.agent.write(peer, local, remote, timeout=self.ctx.cfg.transfer_timeout_s),
                 HoldState.POSTED)
+
+    def _writes_in_flight_on(self, peer: Any) -> bool:
+        """Whether writes posted on ``peer`` (a retired connection) may still land.
+
+        Why: one failed write retires its connection, and re-connecting disconnects the old
+        one, which fails every write still on it. A failure of one transfer (its deadline, a
+        refused post) says nothing of its siblings; failing them too would turn one failed
+        load into many. So the connection is re-made only once nothing is in flight on it:
+        new writes to that consumer wait (HELD) for at most one transfer deadline."""
+        if peer is None:
+            return False
+        with self.ctx.lock:
+            return any(h.state is HoldState.POSTED and h.write is not None and h.write.peer is peer
+                       for h in self.holds.values())
 
     def poll_replies(self) -> list[Msg]:
         """Replies on our clients to consumers' reply addresses (engine thread)."""

@@ -51,7 +51,7 @@ class PeerConn:
     host: str
     port: int
     client: Any  # SideChannelClient
-    state: str = "new"  # new | hello | ready | failed
+    state: str = "new"  # new | hello | ready | draining (to re-make once idle) | failed
     error: str = ""
     kvt_peer: Any = None
     layouts: list[kvt.BlockLayout] = field(default_factory=list)
