@@ -18,7 +18,9 @@ It starts every setup at once (prefill engines confined to CPU 0, decode engines
 * ``kvt-read-sleep``, ``kvt-write-sleep``  the same with ``vllm_spin_yield: sleep`` (vLLM's
   wait loops yield with ``time.sleep(0)``; only when asked for); ``kvt-read-sched``,
   ``kvt-write-sched`` with ``vllm_spin_yield: sched_yield`` (vLLM's own ``os.sched_yield``,
-  the default before ``auto``; only when asked for);
+  the default before ``auto``; only when asked for); a ``-switch`` suffix after either
+  (``kvt-read-switch``, ``kvt-read-sched-switch``) also sets ``gil_switch_interval_s: 0.0005``,
+  the switch interval the connector used to set by default;
 * ``example``    vLLM's ExampleConnector (KV through files in a temporary directory);
 * ``nixl``       vLLM's NixlConnector with ``kv_buffer_device: cpu`` (when ``nixl`` is installed);
 
@@ -135,10 +137,13 @@ def make_workloads(vocab: int, setup_index: int, names: list[str]) -> list[Workl
 
 
 # ----------------------------------------------------------------------------- setups
-def kvt_config(role: str, mode: str, backend: str, port: int, spin_yield: str | None = None) -> dict[str, Any]:
+def kvt_config(role: str, mode: str, backend: str, port: int, spin_yield: str | None = None,
+               switch_interval_s: float | None = None) -> dict[str, Any]:
     extra = {"backend": backend, "mode": mode, "side_channel_host": "127.0.0.1", "side_channel_port": port}
     if spin_yield:
         extra["vllm_spin_yield"] = spin_yield
+    if switch_interval_s is not None:
+        extra["gil_switch_interval_s"] = switch_interval_s
     return {"kv_connector": "KVTransportConnector", "kv_role": role, "kv_connector_extra_config": extra}
 
 
@@ -182,10 +187,14 @@ def make_setup(name: str, model: Path, log_dir: Path) -> Setup:
     if name.startswith("kvt-"):
         # "-sleep" / "-sched": vLLM's wait loops yield with time.sleep(0) / os.sched_yield
         # (vllm_spin_yield: sleep / sched_yield) instead of the default auto choice, to compare
-        base, spin = name, None
+        # "-switch": sys.setswitchinterval(0.0005) in the engine processes (gil_switch_interval_s,
+        # the default before it became opt-in), to measure what it is worth
+        base, spin, switch = name, None, None
+        if base.endswith("-switch"):
+            base, switch = base[: -len("-switch")], 0.0005
         for suffix, mode in (("-sleep", "sleep"), ("-sched", "sched_yield")):
-            if name.endswith(suffix):
-                base, spin = name[: -len(suffix)], mode
+            if base.endswith(suffix):
+                base, spin = base[: -len(suffix)], mode
         # "-router": both hops sent at once (parallel dispatch), WRITE mode only
         base, router = (base[: -len("-router")], True) if base.endswith("-router") else (base, False)
         modes = {"kvt-read": ("read", "loopback"), "kvt-write": ("write", "loopback"), "kvt-ucx": ("read", "ucx")}
@@ -199,9 +208,9 @@ def make_setup(name: str, model: Path, log_dir: Path) -> Setup:
                              "has answered. Use kvt-write-router.")
         pre_port, dec_port = harness.free_port(), harness.free_port()
         pre = harness.vllm_server(f"{name}-prefill", model, log_dir, cpu=0, env_extra=env,
-                                  kv_transfer_config=kvt_config("kv_producer", mode, backend, pre_port, spin))
+                                  kv_transfer_config=kvt_config("kv_producer", mode, backend, pre_port, spin, switch))
         dec = harness.vllm_server(f"{name}-decode", model, log_dir, cpu=1, env_extra=env,
-                                  kv_transfer_config=kvt_config("kv_consumer", mode, backend, dec_port, spin))
+                                  kv_transfer_config=kvt_config("kv_consumer", mode, backend, dec_port, spin, switch))
         return Setup(name, pre, dec, True, router_ports=(pre_port, dec_port) if router else None)
     if name == "example":
         store = Path(tempfile.mkdtemp(prefix="kvt-bench-example-"))
