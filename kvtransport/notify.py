@@ -120,7 +120,6 @@ class NotificationReceiver:
     def __init__(self, ctx: zmq.Context, endpoint: str, key: bytes, *, name: str = "",
                  on_control: ControlHandler | None = None) -> None:
         self._auth = _authenticator(key)
-        self._open = self._auth.open  # seam: the forged-notification test's control swaps it
         self._on_control = on_control
         self._name = name
         self._queue: deque[tuple[str, bytes]] = deque()
@@ -171,7 +170,7 @@ class NotificationReceiver:
         if len(frames) != 1:
             return self._refuse(f"{len(frames)}-part message: not a sealed kvtransport notification")
         try:
-            body = self._open(frames[0], direction="req")
+            body = self._auth.open(frames[0], direction="req")
         except AuthError as exc:
             return self._refuse(str(exc))
         try:

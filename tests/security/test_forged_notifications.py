@@ -185,15 +185,16 @@ def test_forged_notifications_refused_moriio_glue_fake_mori(monkeypatch):
 
 # ----------------------------------------------------------------------------- controls
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])
-def test_control_forged_frames_are_delivered_without_the_check(transport):
-    """The same forged frames reach the engine when the check is absent: the refusals above
+def test_control_forged_bodies_are_delivered_once_they_pass_the_check(transport):
+    """The same forged bodies reach the engine once they pass the check: the refusals above
     come from authentication, not from malformed test frames."""
     tmp = tempfile.mkdtemp(prefix="kvt-ctl-")
     endpoint = f"ipc://{os.path.join(tmp, 'ctl.sock')}" if transport == "ipc" else "tcp://127.0.0.1"
     forged = _forged_frames()
-    # A receiver built without authentication (the check swapped for the identity).
-    plain = NotificationReceiver(CTX, endpoint, new_notification_key(), name="no-auth")
-    plain._open = lambda frame, direction="req": frame
+    # A receiver whose key the forger holds: the unsealed body, sealed with that key.
+    plain_key = new_notification_key()
+    plain = NotificationReceiver(CTX, endpoint, plain_key, name="forger-holds-key")
+    unsealed_body_sealed = [Authenticator(plain_key, CHANNEL).seal(f) for f in forged["unsealed_body"]]
     # A receiver that holds the forger's key.
     forger_key = new_notification_key()
     keyed = NotificationReceiver(CTX, "tcp://127.0.0.1", forger_key, name="forger-key")
@@ -201,7 +202,7 @@ def test_control_forged_frames_are_delivered_without_the_check(transport):
     try:
         with CTX.socket(zmq.PUSH) as push:
             push.connect(plain.address)
-            push.send_multipart(forged["unsealed_body"])
+            push.send_multipart(unsealed_body_sealed)
             got = _drain_until(plain.drain, b"forged: blocks 0-15 ready")
         assert got == [("sender", b"forged: blocks 0-15 ready")] and plain.refusals == 0
         with CTX.socket(zmq.PUSH) as push:
