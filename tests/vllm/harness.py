@@ -154,8 +154,11 @@ class Engine:
         self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         if connector_cls is not None:
             name = f"_Test{connector_cls.__name__}"
-            if name not in KVConnectorFactory._registry:
-                KVConnectorFactory._registry[name] = lambda c=connector_cls: c
+            try:  # refused when an earlier engine of this process registered it
+                KVConnectorFactory.register_connector(name, connector_cls.__module__, connector_cls.__qualname__)
+            except ValueError as exc:
+                if "already registered" not in str(exc):
+                    raise
             self.vllm_config.kv_transfer_config.kv_connector = name
         self.scheduler = Scheduler(
             vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config, log_stats=True,

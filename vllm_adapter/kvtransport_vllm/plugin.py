@@ -11,15 +11,11 @@ def register() -> None:
     every process, sometimes more than once).
 
     Uses only ``KVConnectorFactory.register_connector`` (public since vLLM 0.9, same in
-    0.32 and 0.33); the "already registered" test reads the private registry when it
-    exists and otherwise relies on the ValueError that ``register_connector`` raises for
-    a duplicate name.
+    0.32 and 0.33), which refuses a name already registered with a ValueError: that
+    refusal is how a second registration is told apart from a real error.
     """
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    registry = getattr(KVConnectorFactory, "_registry", None)
-    if isinstance(registry, dict) and CONNECTOR_NAME in registry:
-        return
     try:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, "kvtransport_vllm.connector", "KVTransportConnector")
     except ValueError as exc:
