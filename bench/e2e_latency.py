@@ -20,7 +20,8 @@ It starts every setup at once (prefill engines confined to CPU 0, decode engines
   ``kvt-write-sched`` with ``vllm_spin_yield: sched_yield`` (vLLM's own ``os.sched_yield``,
   the default before ``auto``; only when asked for); a ``-switch`` suffix after either
   (``kvt-read-switch``, ``kvt-read-sched-switch``) also sets ``gil_switch_interval_s: 0.0005``,
-  the switch interval the connector used to set by default;
+  the switch interval the connector used to set by default, and ``-noswitch`` sets 0
+  (Python's own interval);
 * ``example``    vLLM's ExampleConnector (KV through files in a temporary directory);
 * ``nixl``       vLLM's NixlConnector with ``kv_buffer_device: cpu`` (when ``nixl`` is installed);
 
@@ -189,9 +190,12 @@ def make_setup(name: str, model: Path, log_dir: Path) -> Setup:
         # (vllm_spin_yield: sleep / sched_yield) instead of the default auto choice, to compare
         # "-switch": sys.setswitchinterval(0.0005) in the engine processes (gil_switch_interval_s,
         # the default before it became opt-in), to measure what it is worth
+        # "-noswitch": gil_switch_interval_s 0 (Python's own interval), whatever the default
         base, spin, switch = name, None, None
-        if base.endswith("-switch"):
-            base, switch = base[: -len("-switch")], 0.0005
+        for suffix, interval in (("-noswitch", 0.0), ("-switch", 0.0005)):
+            if base.endswith(suffix):
+                base, switch = base[: -len(suffix)], interval
+                break
         for suffix, mode in (("-sleep", "sleep"), ("-sched", "sched_yield")):
             if base.endswith(suffix):
                 base, spin = base[: -len(suffix)], mode
