@@ -33,7 +33,7 @@ from .errors import TransferFailedError
 from .spi import Op, PostRequest
 
 if TYPE_CHECKING:
-    from .agent import Peer
+    from .peer import Peer
 
 __all__ = ["State", "TransferStatus", "Transfer", "TransferOwner", "PreparedTransfer",
            "FinishedTransfers"]
@@ -115,10 +115,10 @@ def note_pending_poll(start: float, last_pending_end: float, fast_polls: int) ->
 class TransferOwner(Protocol):
     """What a :class:`Transfer` needs from the agent that posted it — nothing more.
 
-    ``Agent`` provides one; a Transfer never touches the agent otherwise, and the agent
-    changes a Transfer only through the Transfer's owner side, always under the agent's
-    one lock (so a Transfer needs no lock of its own: its state is one attribute, read
-    atomically by ``status``/``repr``).
+    The agent's :class:`~kvtransport.inflight.InFlightTransfers` is one; a Transfer never
+    touches the agent otherwise, and the agent changes a Transfer only through the
+    Transfer's owner side, always under the agent's one lock (so a Transfer needs no lock
+    of its own: its state is one attribute, read atomically by ``status``/``repr``).
     """
 
     def poll_transfer(self, transfer: Transfer) -> TransferStatus:
