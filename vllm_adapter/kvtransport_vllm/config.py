@@ -46,9 +46,9 @@ EXTRA_CONFIG_KEYS: dict[str, str] = {
     "default: $KVTRANSPORT_SECRET or the file $KVTRANSPORT_SECRET_FILE",
     "side_channel_auth": "on (default) or off: off disables side-channel authentication explicitly",
     "max_message_bytes": "largest side-channel message accepted (default 16 MiB)",
-    "gil_switch_interval_s": "Python thread switch interval set in each worker process running the connector "
-    "(default 0.0005; 0 leaves Python's 5 ms): the side-channel and copy threads wait at most this long for "
-    "the GIL held by vLLM's busy worker loop",
+    "gil_switch_interval_s": "opt-in (default 0: Python's own 5 ms): Python thread switch interval set in each "
+    "worker process running the connector, a process-wide change: the side-channel and copy threads wait at "
+    "most this long for the GIL held by vLLM's busy worker loop",
     "vllm_spin_yield": "auto (default), sleep or sched_yield: how vLLM's busy-wait loops yield in the processes "
     "running the connector; auto uses sleep (time.sleep(0), keeps the side-channel thread served) while more vLLM "
     "worker processes share this process's CPUs than there are CPUs, else sched_yield (vLLM's own) "
@@ -163,8 +163,9 @@ class ConnectorConfig:
     max_message_bytes: int = 16 * 1024 * 1024
     #: "auto": register the KV cache itself; "cpu": stage blocks through pinned host buffers
     kv_buffer_device: str = "auto"
-    #: sys.setswitchinterval() in the worker process; 0: leave Python's default
-    gil_switch_interval_s: float = 0.0005
+    #: opt-in sys.setswitchinterval() in the worker process (process_tuning.py): our threads wait at most
+    #: this long for the GIL held by vLLM's busy loop; 0 (default): leave Python's own interval
+    gil_switch_interval_s: float = 0.0
     #: how vLLM's busy-wait loops yield in our processes (spin_yield.py): "auto", "sleep" or "sched_yield"
     vllm_spin_yield: str = "auto"
     #: WRITE: push each layer's completed prompt blocks during the prefill (layerwise.py)
@@ -305,7 +306,7 @@ class ConnectorConfig:
             side_channel_auth=auth_on,
             max_message_bytes=_num("max_message_bytes", 16 * 1024 * 1024, int),
             kv_buffer_device=buffer_device,
-            gil_switch_interval_s=_switch_interval(extra.get("gil_switch_interval_s", 0.0005)),
+            gil_switch_interval_s=_switch_interval(extra.get("gil_switch_interval_s", 0.0)),
             vllm_spin_yield=spin_yield,
             discovery=parse_discovery(extra),
             layerwise_write=layerwise,

@@ -26,7 +26,7 @@ from .layerwise import LayerwisePlanner
 from .messages import KVTransportMetadata
 from .scheduler import KVTransportScheduler
 from .spec_decode import refusal as spec_decode_refusal
-from .spin_yield import apply_spin_yield
+from .process_tuning import tune_process
 from .stats import KVTransportStats
 
 if TYPE_CHECKING:
@@ -123,8 +123,10 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
         block_size = vllm_config.cache_config.block_size
         tp_rank, tp_size = _tp_info()
         dp_rank = data_parallel_rank(vllm_config)  # side-channel ports per (DP rank, TP rank)
-        # How this process's vLLM wait loops yield (spin_yield.py; default: as vLLM ships them).
-        apply_spin_yield(self.cfg.vllm_spin_yield)
+        # Process-wide changes, made in one place (process_tuning.py): how vLLM's wait loops yield;
+        # the thread switch interval (opt-in) in the worker's process, where our threads run.
+        tune_process(self.cfg.vllm_spin_yield,
+                     0.0 if role == KVConnectorRole.SCHEDULER else self.cfg.gil_switch_interval_s)
         self._scheduler: KVTransportScheduler | None = None
         self._worker: Any = None
         #: layer-wise WRITE: which prompt blocks each step completes (layerwise.py)

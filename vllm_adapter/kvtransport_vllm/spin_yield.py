@@ -38,6 +38,10 @@ core is built, and other engines may start later, so the census is taken again a
 every :data:`RECHECK_S` seconds, from inside the wait loop (an idle moment by definition),
 and the choice is logged once, and again whenever it changes. ``sleep`` and
 ``sched_yield`` fix the choice for a process.
+
+Rebinding vLLM's function changes the whole process, not just the connector: the connector
+does it only through :mod:`.process_tuning`, which logs the change once and warns when the
+function to rebind is missing (:func:`missing_yield_sites`).
 """
 
 from __future__ import annotations
@@ -48,9 +52,10 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 __all__ = ["SPIN_YIELD_MODES", "RECHECK_S", "HostCensus", "host_census", "census_of", "sleep_yield",
-           "AutoYield", "apply_spin_yield"]
+           "AutoYield", "apply_spin_yield", "missing_yield_sites", "YIELD_SITES"]
 
 #: under vLLM's logger, whose handler (set up by vLLM in every engine process) prints INFO: the
 #: choice changes how vLLM's loops behave, so it must show in the engine's own log
@@ -60,7 +65,7 @@ log = logging.getLogger(f"vllm.{__name__}")
 SPIN_YIELD_MODES = ("auto", "sleep", "sched_yield")
 
 #: vLLM modules that call (and bind by name) ``sched_yield`` in their wait loops
-_MODULES = ("vllm.distributed.utils", "vllm.distributed.device_communicators.shm_broadcast")
+YIELD_SITES = ("vllm.distributed.utils", "vllm.distributed.device_communicators.shm_broadcast")
 
 #: the process title vLLM gives its worker processes (``VLLM::Worker_TP0``, ``VLLM::Worker_PP1_TP0``, ...)
 WORKER_TITLE = b"VLLM::Worker"
@@ -178,31 +183,44 @@ def _wanted(mode: str, original: object) -> object:
     return _AUTO
 
 
+def _yield_site(name: str) -> tuple[ModuleType | None, str | None]:
+    """The module ``name`` if it has a callable ``sched_yield`` to rebind, else what is missing."""
+    try:
+        module = importlib.import_module(name)
+    except ImportError as exc:
+        return None, f"module {name} ({exc})"
+    if not callable(getattr(module, "sched_yield", None)):
+        return None, f"{name}.sched_yield"
+    return module, None
+
+
+def missing_yield_sites() -> list[str]:
+    """What of :data:`YIELD_SITES` the installed vLLM lacks (a module, or its
+    ``sched_yield``), each named: there :func:`apply_spin_yield` can change nothing."""
+    return [missing for missing in (_yield_site(name)[1] for name in YIELD_SITES) if missing]
+
+
 def apply_spin_yield(mode: str) -> list[str]:
     """Make vLLM's wait loops in this process yield with :func:`sleep_yield` (``"sleep"``),
     with vLLM's own function (``"sched_yield"``: as shipped, or put back if an earlier call
     replaced it) or with this process's :class:`AutoYield` (``"auto"``). Returns the modules
-    changed; idempotent. A vLLM without these modules or names is left unchanged."""
+    changed; idempotent. A vLLM without these modules or names is left unchanged
+    (:func:`missing_yield_sites` names them). Logs nothing: the caller,
+    :func:`.process_tuning.tune_process`, logs what changed."""
     if mode not in SPIN_YIELD_MODES:
         raise ValueError(f"vllm_spin_yield must be one of {SPIN_YIELD_MODES}, got {mode!r}")
     if mode == "sched_yield" and not _ORIGINAL:
         return []  # nothing was ever replaced: vLLM's loops are as shipped
     changed = []
-    for name in _MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
+    for name in YIELD_SITES:
+        module, _ = _yield_site(name)
+        if module is None:
             continue
-        current = getattr(module, "sched_yield", None)
-        if not callable(current):
-            continue
+        current = module.sched_yield
         if current is not sleep_yield and not isinstance(current, AutoYield):
             _ORIGINAL.setdefault(name, current)
         wanted = _wanted(mode, _ORIGINAL.get(name, current))
         if current is not wanted:
             module.sched_yield = wanted
             changed.append(name)
-    if changed and mode == "sleep":
-        log.info("kvtransport: vLLM's busy-wait loops in this process yield with time.sleep(0) "
-                 "(vllm_spin_yield: sleep; docs/vllm/USAGE.md, Busy-wait yield)")
     return changed
