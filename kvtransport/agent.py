@@ -25,7 +25,8 @@ only through its owner side.
 The agent is a facade over parts with one job each: :mod:`.preparation` (validation and
 merging before anything is posted), :mod:`.inflight` (posted transfers: polling,
 deadlines, quiescence, exactly-once results), :mod:`.peer` (a connected peer and the
-checks its metadata passes), :mod:`.regions` (registered memory as arrays for range checks).
+checks its metadata passes), :mod:`.regions` (registered memory as arrays for range checks),
+:mod:`.agent_config` (core settings apart from backend options).
 """
 
 from __future__ import annotations
