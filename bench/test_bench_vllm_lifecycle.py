@@ -57,7 +57,7 @@ def test_silent_load_reported_after_deadline(benchmark, read_pair):
             pair.C.add(f"c{n}", prompt, 2, params)
             deadline = None
             while True:
-                r = cw._recv.get(f"c{n}")
+                r = cw.consumer.recv.get(f"c{n}")
                 if r is not None:
                     deadline = r.deadline
                 pair.C.step()
@@ -89,15 +89,15 @@ def test_lapsed_lease_frees_after_expiry(benchmark, read_pair):
         n = next(_ids)
         params = pair.prefill(f"q{n}", prompt_of(50, seed=300 + n))
         key = params["transfer_id"]
-        while key not in pw._holds:
+        while key not in pw.producer.holds:
             pair.P.step()
-        expiry = pw._holds[key].expiry
-        while key in pw._holds:
+        expiry = pw.producer.holds[key].expiry
+        while key in pw.producer.holds:
             pair.P.step()
             ended = time.monotonic()
             time.sleep(0.002)
         lateness.append(ended - expiry)  # the freeing step ended this long after it
-        assert pw._ended.get(key) == "expired"
+        assert pw.producer.ended.get(key) == "expired"
 
     benchmark.pedantic(once, rounds=5)
     print(_summary("lapsed lease freed after its expiry", lateness))

@@ -4,16 +4,18 @@
 :class:`FaultInjectingBackend`, which sits between the core and the real backend and
 perturbs what the core sees: transfers that fail at once, transfers that never
 complete (the core's deadline must end them), completions reported late, notifications
-dropped or duplicated, and a peer declared dead. Bytes that do move, move through the
-real backend, so the reliability tests exercise real data paths.
+dropped or duplicated, peers declared dead (:attr:`FaultPlan.dead_peers`). Bytes that do
+move, move through the real backend, so the reliability tests exercise real data paths.
 
 Faults are drawn per transfer / per notification from a seeded RNG, so a failing run
 can be replayed with the same seed.
 
-Besides random faults, a test can hold one post inside the backend until it says so
-(:meth:`FaultInjectingBackend.gate_posts`): the model of a backend that does real work
-on the posting thread (UCX drives its worker inside ``post`` for milliseconds), used to
-make races between posting and the side channel deterministic.
+Besides random faults, a plan can hold one post inside the backend until it is let go
+(:attr:`FaultPlan.hold_next_post`, a :class:`PostHold`): the model of a backend that does
+real work on the posting thread (UCX drives its worker inside ``post`` for
+milliseconds), which makes races between posting and the side channel deterministic.
+A plan may be changed while its backend runs; :mod:`kvtransport.testing.fault_controls`
+does so (kill and revive a peer, hold the next post behind a gate).
 """
 
 from __future__ import annotations
@@ -23,11 +25,24 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from .spi import Backend, LocalRegion, Op, PollResult, PostRequest, RemoteRegion
 
-__all__ = ["FaultPlan", "FaultInjectingBackend", "PostGate"]
+__all__ = ["FaultPlan", "FaultInjectingBackend", "PostHold"]
+
+
+class PostHold(Protocol):
+    """Holds one post of one of :attr:`ops` inside ``Backend.post``, before the real
+    backend posts it."""
+
+    ops: frozenset[Op]
+
+    def hold(self) -> None:
+        """Called on the posting thread, nothing moved yet; returns when the post may go on."""
+
+    def posted(self) -> None:
+        """Called once the real backend's post has returned."""
 
 
 @dataclass
@@ -49,6 +64,12 @@ class FaultPlan:
     #: Only these ops are perturbed (default both).
     ops: frozenset[Op] = frozenset({Op.READ, Op.WRITE})
     seed: int | None = None
+    #: Every transfer to these peers fails, pending ones included (nothing moves for new
+    #: ones): peers declared dead. Replaced, never mutated in place, while the backend runs.
+    dead_peers: frozenset[str] = frozenset()
+    #: The next post of one of its ops is held inside ``post`` until it lets go; one-shot
+    #: (taken off the plan when it holds a post).
+    hold_next_post: PostHold | None = None
     #: Counters of what was injected, for reports.
     injected: dict[str, int] = field(default_factory=dict)
 
@@ -59,35 +80,10 @@ class FaultPlan:
                 raise ValueError(f"FaultPlan.{name} must be within [0, 1], got {v}")
         if self.delay_s < 0:
             raise ValueError("FaultPlan.delay_s must be >= 0")
+        self.dead_peers = frozenset(self.dead_peers)
 
     def count(self, what: str) -> None:
         self.injected[what] = self.injected.get(what, 0) + 1
-
-
-class PostGate:
-    """Holds the next post of one of ``ops`` inside ``Backend.post`` until :meth:`release`.
-
-    ``entered`` is set when a post reached the gate (the posting thread is now blocked in
-    ``post``, with nothing moved yet); ``passed`` is set once the real backend's post has
-    returned. One-shot: later posts are not held. If no release comes within
-    ``max_hold_s`` the post goes on anyway (``timed_out`` is set), so a failing test
-    cannot leave a thread blocked forever."""
-
-    def __init__(self, ops: frozenset[Op], max_hold_s: float = 60.0):
-        self.ops = ops
-        self.max_hold_s = max_hold_s
-        self.entered = threading.Event()
-        self.passed = threading.Event()
-        self.timed_out = False
-        self._open = threading.Event()
-
-    def release(self) -> None:
-        self._open.set()
-
-    def _hold(self) -> None:
-        self.entered.set()
-        if not self._open.wait(self.max_hold_s):
-            self.timed_out = True
 
 
 class _Injected:
@@ -114,29 +110,7 @@ class FaultInjectingBackend(Backend):
         self.agent_name = inner.agent_name
         self.options = inner.options
         self._rng = random.Random(plan.seed)
-        self._killed: set[str] = set()
-        self._gate: PostGate | None = None
         self._lock = threading.Lock()
-
-    # -- controls used by tests -----------------------------------------------
-    def kill_peer(self, peer_name: str) -> None:
-        """From now on every transfer to ``peer_name`` fails, pending ones included."""
-        with self._lock:
-            self._killed.add(peer_name)
-        self.plan.count("peer_killed")
-        self.signal_progress()  # waiters the real backend promised a signal must see it now
-
-    def gate_posts(self, ops: frozenset[Op] = frozenset({Op.WRITE}), max_hold_s: float = 60.0) -> PostGate:
-        """Hold the next post of one of ``ops`` inside ``post`` until the returned gate is
-        released; then the real backend posts it (real bytes move)."""
-        gate = PostGate(frozenset(ops), max_hold_s)
-        with self._lock:
-            self._gate = gate
-        return gate
-
-    def revive_peer(self, peer_name: str) -> None:
-        with self._lock:
-            self._killed.discard(peer_name)
 
     def _draw(self, rate: float) -> bool:
         return rate > 0 and self._rng.random() < rate
@@ -162,21 +136,22 @@ class FaultInjectingBackend(Backend):
         return self.inner.peer_alive(peer)
 
     def post(self, req: PostRequest) -> Any:
-        gate = None
+        hold = None
+        plan = self.plan
         with self._lock:
-            if self._gate is not None and req.op in self._gate.ops:
-                gate, self._gate = self._gate, None
-        if gate is not None:
-            gate._hold()
+            if plan.hold_next_post is not None and req.op in plan.hold_next_post.ops:
+                hold, plan.hold_next_post = plan.hold_next_post, None
+        if hold is not None:
+            hold.hold()
             try:
                 return self._post(req)
             finally:
-                gate.passed.set()
+                hold.posted()
         return self._post(req)
 
     def _post(self, req: PostRequest) -> Any:
         plan = self.plan
-        if req.peer_name in self._killed:
+        if req.peer_name in plan.dead_peers:
             plan.count("fail_dead_peer")
             return _Injected(None, "dead", 0.0, req.peer_name)
         if req.op in plan.ops:
@@ -193,7 +168,8 @@ class FaultInjectingBackend(Backend):
         return _Injected(inner, "pass", 0.0, req.peer_name)
 
     def poll(self, handle: _Injected) -> PollResult:
-        if handle.kind == "hang" and handle.peer_name in self._killed:
+        dead = self.plan.dead_peers
+        if handle.kind == "hang" and handle.peer_name in dead:
             return PollResult.failed(f"peer {handle.peer_name!r} is dead (injected)")
         if handle.kind == "fail":
             return PollResult.failed("injected failure (fault plan)")
@@ -201,7 +177,7 @@ class FaultInjectingBackend(Backend):
             return PollResult.failed(f"peer {handle.peer_name!r} is dead (injected)")
         if handle.kind == "hang":
             return PollResult.pending()
-        if handle.peer_name in self._killed:
+        if handle.peer_name in dead:
             quiesced = self.inner.cancel(handle.inner)
             return PollResult.failed(f"peer {handle.peer_name!r} is dead (injected)", quiesced)
         res = self.inner.poll(handle.inner)
@@ -243,8 +219,12 @@ class FaultInjectingBackend(Backend):
 
     def describe(self) -> dict[str, Any]:
         d = dict(self.inner.describe())
-        d["faults"] = {k: v for k, v in vars(self.plan).items() if k != "injected"}
+        d["faults"] = {k: v for k, v in vars(self.plan).items() if k not in _RUNTIME_FIELDS}
         return d
+
+
+#: Plan fields that describe the run's state rather than its configuration (not described).
+_RUNTIME_FIELDS = frozenset({"injected", "dead_peers", "hold_next_post"})
 
 
 def plan_from_options(value: FaultPlan | Mapping[str, Any] | None) -> FaultPlan | None:

@@ -19,6 +19,7 @@ import kvtransport as kvt
 from kvtransport import errors
 from kvtransport.agent import Agent, AgentConfig
 from kvtransport.spi import Backend, Op, PollResult
+from kvtransport.testing.fault_controls import kill_peer
 
 SIZE = 1 << 16
 
@@ -417,7 +418,7 @@ def test_kill_peer_fails_pending_and_later_transfers_other_peers_unaffected():
         seg = ra.segments([0], [4096])
         pending = a.read(pv, seg, pv.region(rv.id).segments([0], [4096]), timeout=30)
         assert pending.status().state is kvt.State.PENDING
-        a.faults.kill_peer("kp-victim")
+        kill_peer(a.faults, "kp-victim")
         # The very next poll fails it: neither the injected 5 s delay nor the 30 s deadline
         # is what ends it.
         st = pending.status()
@@ -447,7 +448,7 @@ def test_kill_peer_also_fails_a_hung_pending_transfer():
         ra, rb = a.register(np.zeros(SIZE, np.uint8)), b.register(_src())
         peer = _connect(a, b)
         t = a.read(peer, ra.segments([0], [64]), peer.region(rb.id).segments([0], [64]), timeout=30)
-        a.faults.kill_peer("kh-b")
+        kill_peer(a.faults, "kh-b")
         st = t.status()  # the first poll after the kill, not the 30 s deadline, fails it
         assert st.state is kvt.State.FAILED and "dead" in st.reason
     finally:

@@ -28,6 +28,7 @@ import kvtransport_vllm.consumer as consumer_module
 import kvtransport_vllm.side_channel as sc
 from harness import Engine, Pair, ask_producer, free_port_base, prompt_of, run_until
 from kvtransport import Op
+from kvtransport.testing.fault_controls import gate_posts
 from kvtransport_vllm.load_stats import Cause
 from kvtransport_vllm.messages import Release, Reply, Written
 from kvtransport_vllm.recv import RecvState
@@ -109,8 +110,8 @@ class _Stepper:
 
 def _hold(pair: Pair, rid: str):
     w = pair.P.worker._worker
-    with w._lock:
-        return next((h for h in w._holds.values() if h.req_id == rid), None)
+    with w.ctx.lock:
+        return next((h for h in w.producer.holds.values() if h.req_id == rid), None)
 
 
 def _end_lease_now(pair: Pair, rid: str) -> None:
@@ -118,8 +119,8 @@ def _end_lease_now(pair: Pair, rid: str) -> None:
     time (a renewal sent before the consumer's step blocked cannot extend it either: this
     is applied again before every producer step until the hold is gone)."""
     w = pair.P.worker._worker
-    with w._lock:
-        for h in w._holds.values():
+    with w.ctx.lock:
+        for h in w.producer.holds.values():
             if h.req_id == rid:
                 h.expiry = 0.0
 
@@ -131,15 +132,15 @@ def _end_lease_now(pair: Pair, rid: str) -> None:
 def _ignore_confirmation(pair: Pair) -> None:
     """Broken variant: the consumer takes the producer's "expired" for "ok" (a connector
     that reads and never lets the producer's answer fail the load: the field's bug)."""
-    cw = pair.C.worker._worker
-    real = cw._on_consumer_reply
+    consumer = pair.C.worker._worker.consumer
+    real = consumer.on_reply
 
     def lenient(msg):
         if isinstance(msg, Reply):
             msg.status = {k: ("ok" if v == "expired" else v) for k, v in msg.status.items()}
         return real(msg)
 
-    cw._on_consumer_reply = lenient
+    consumer.on_reply = lenient
 
 
 def _assert_ran_on_its_own_kv(pair: Pair, rid: str, prompt: list[int], kv_checks: list[list[int]]) -> None:
@@ -164,7 +165,7 @@ def _lease_lapses_mid_read(pair: Pair, prompt: list[int]) -> tuple[str, dict]:
     lease ends; the producer frees the blocks and the next prefill takes them; then the
     READ moves the bytes: another request's KV."""
     params = pair.prefill("p1", prompt)
-    gate = pair.C.worker._worker.agent.faults.gate_posts(frozenset({Op.READ}))
+    gate = gate_posts(pair.C.worker._worker.agent.faults, frozenset({Op.READ}))
     pair.C.add("c1", prompt, 3, params)
     stepper = _Stepper(pair.C)
     try:
@@ -476,8 +477,8 @@ def _no_lease(pair: Pair, rid: str) -> float:
     """Broken variant: the producer's hold has no lease of its own (only a long abort
     timeout elsewhere would free it: the field's 480 s). Returns the lease's end it had."""
     w = pair.P.worker._worker
-    with w._lock:
-        h = next(h for h in w._holds.values() if h.req_id == rid)
+    with w.ctx.lock:
+        h = next(h for h in w.producer.holds.values() if h.req_id == rid)
         was, h.expiry = h.expiry, float("inf")
     return was
 

@@ -12,8 +12,9 @@ workers, real backends) in this process. How the connection is broken, per backe
   peer process is still there, its endpoint is dead.
 * ``loopback`` (CMA, no connection to break) and ``ucx`` over shared memory (UCX reports
   no endpoint errors there): the consumer's (READ) or producer's (WRITE) agent declares
-  the peer dead (``kvtransport.faults`` ``kill_peer``) and then alive again, the model of
-  a link that is down and comes back; the connector's reconnection is what is checked.
+  the peer dead (``kill_peer`` of ``kvtransport.testing.fault_controls``) and then alive
+  again, the model of a link that is down and comes back; the connector's reconnection is
+  what is checked.
 
 What is asserted, as a user checks it: the request right after the break is served
 (loaded, or recomputed with intact KV under policy ``recompute``, never stale); the one
@@ -37,6 +38,7 @@ import pytest
 
 import kvtransport as kvt
 from harness import Pair, prompt_of
+from kvtransport.testing.fault_controls import kill_peer, revive_peer
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -183,7 +185,7 @@ def test_peer_declared_dead_then_back_heals(case, mode):
         # READ: the consumer moves the bytes (its agent loses the producer); WRITE: the producer
         mover, peer = (pair.C, "P-tp0") if mode == "read" else (pair.P, "C-tp0")
         faults = mover.worker._worker.agent.faults
-        _heals(pair, lambda: faults.kill_peer(peer), lambda: faults.revive_peer(peer))
+        _heals(pair, lambda: kill_peer(faults, peer), lambda: revive_peer(faults, peer))
         assert faults.plan.injected.get("fail_dead_peer", 0) >= 1, "the dead peer was never tried"
     finally:
         pair.close()

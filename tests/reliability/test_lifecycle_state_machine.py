@@ -80,15 +80,13 @@ def _pair(mode: str) -> Pair:
     if mode not in _PAIRS:
         _PAIRS[mode] = Pair(mode, timeout_s=TIMEOUT_S, lease_s=LEASE_S,
                             p_extra={"backend_options": {"faults": {"seed": 1}}},
-                            c_extra={"backend_options": {"faults": {"seed": 2}}})
+                            c_extra={"backend_options": {"faults": {"seed": 2}}}, transmit=_SC.transmit)
     return _PAIRS[mode]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _engines():
-    _SC.install()
     yield
-    _SC.uninstall()
     print(f"\nlifecycle state machine exercised: {dict(sorted(STATS.items()))}")
     if STATS.get("examples_read", 0) + STATS.get("examples_write", 0) >= 20:  # the full run, not a -k subset
         # the run was not vacuous: loads were verified, the producer's worker itself
@@ -146,15 +144,15 @@ class LifecycleMachine(RuleBasedStateMachine):
                 p = self.params.pop(rid, None)  # the consumer never comes
                 key = p and p["transfer_id"]
                 for _ in range(10):  # the hold is bound at one of the producer's next steps
-                    if not key or key in self.pw._holds:
+                    if not key or key in self.pw.producer.holds:
                         break
                     self._step_p()
-                with self.pw._lock:
-                    hold = self.pw._holds.get(key)
+                with self.pw.ctx.lock:
+                    hold = self.pw.producer.holds.get(key)
                     if hold is not None:
                         hold.expiry = time.monotonic() - 0.001
                         _count("lease_forced")
-                while hold is not None and key in self.pw._holds and time.monotonic() < end:
+                while hold is not None and key in self.pw.producer.holds and time.monotonic() < end:
                     self._step_p()
                     time.sleep(0.002)
             else:
@@ -184,7 +182,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         C = self.C
         waiting_before = {rid for rid, q in C.scheduler.requests.items() if q.status == WFRK}
         tracked_before = set(C.scheduler.requests)
-        loads_before = dict(self.cw._recv)
+        loads_before = dict(self.cw.consumer.recv)
         step_started = time.monotonic()
         C.step()
         kvo = C.kv_outputs[-1]
@@ -201,7 +199,7 @@ class LifecycleMachine(RuleBasedStateMachine):
                 prompt = self.prompts[rid]
                 assert C.check_kv(rid, prompt, len(prompt)) == [], f"I5: {rid} loaded with wrong bytes"
                 if self.mode == "read":
-                    why = self.pw._ended.get(self.forwarded[rid])
+                    why = self.pw.producer.ended.get(self.forwarded[rid])
                     assert why in (None, "done"), f"I5: {rid} accepted after its lease ended {why!r}"
                 self.done_keys[rid] = self.forwarded[rid]
         self._deadlines_kept(step_started, loads_before)
@@ -217,7 +215,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             if step_started <= r.deadline:
                 continue
             n = self.steps_past_deadline[rid] = self.steps_past_deadline.get(rid, 0) + 1
-            if self.cw._recv.get(rid) is not r:
+            if self.cw.consumer.recv.get(rid) is not r:
                 _count(f"load_ended_in_step_{min(n, 2)}_past_deadline")
                 continue
             if n < 2:
@@ -323,9 +321,9 @@ class LifecycleMachine(RuleBasedStateMachine):
     @rule(i=PICK)
     def lease_expires(self, i):
         """The consumer stalled past the lease for this request (time jumps for this hold)."""
-        with self.pw._lock:
-            if self.pw._holds:
-                self.pw._holds[_pick(self.pw._holds, i)].expiry = time.monotonic() - 0.001
+        with self.pw.ctx.lock:
+            if self.pw.producer.holds:
+                self.pw.producer.holds[_pick(self.pw.producer.holds, i)].expiry = time.monotonic() - 0.001
                 _count("lease_forced")
 
     @rule(i=PICK)
@@ -336,15 +334,11 @@ class LifecycleMachine(RuleBasedStateMachine):
         rid = _pick(self.done_keys, i)
         key = self.done_keys[rid]
         _count("duplicate_signal")
-        to_p = SideChannelClient("127.0.0.1", self.pair.p_port, auth=self.pw._auth)
-        to_c = SideChannelClient("127.0.0.1", self.pair.c_port, auth=self.cw._auth)
+        # sent by the test itself, not through the perturbed network: always delivered
+        to_p = SideChannelClient("127.0.0.1", self.pair.p_port, auth=self.pw.ctx.auth)
+        to_c = SideChannelClient("127.0.0.1", self.pair.c_port, auth=self.cw.ctx.auth)
         try:
-            # sent by the test itself, not through the perturbed network: always delivered
-            _SC.enabled = False
-            try:
-                cids = {to_p.send(Done(keys=[key])), to_c.send(Written(key=key, ok=True))}
-            finally:
-                _SC.enabled = True
+            cids = {to_p.send(Done(keys=[key])), to_c.send(Written(key=key, ok=True))}
             # Both were handled once their replies are back; I4 then checks every later
             # step that neither produced a second report.
             end = time.monotonic() + HANG_GUARD_S
@@ -372,7 +366,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             return
         for rid, q in self.C.scheduler.requests.items():
             if q.status == WFRK and rid not in self.reported and rid in self.forwarded:
-                assert rid in self.cw._recv, f"I2: {rid} waits for remote KV but no load of it exists"
+                assert rid in self.cw.consumer.recv, f"I2: {rid} waits for remote KV but no load of it exists"
 
     @invariant()
     def side_channel_threads_alive(self):
@@ -390,13 +384,13 @@ class LifecycleMachine(RuleBasedStateMachine):
             # every load ends by its deadlines (checked at each step); this is a hang guard
             end = time.monotonic() + HANG_GUARD_S
             while time.monotonic() < end and (self.C.scheduler.requests or self.P.scheduler.requests
-                                              or self.pw._holds or self.cw._recv):
+                                              or self.pw.producer.holds or self.cw.consumer.recv):
                 self._step_both()
                 self.nobody_stranded()
                 time.sleep(0.002)
             _SC.flush(float("inf"))
             assert not self.C.scheduler.requests and not self.P.scheduler.requests, "requests left over"
-            assert not self.pw._holds and not self.cw._recv, "connector state left over"
+            assert not self.pw.producer.holds and not self.cw.consumer.recv, "connector state left over"
             self.pair.assert_no_leak()  # I6 (R4)
             for w in (self.pw, self.cw):
                 s = w.agent.stats()

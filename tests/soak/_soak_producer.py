@@ -26,9 +26,8 @@ from vllm.v1.request import RequestStatus
 def main() -> None:
     args = json.loads(sys.argv[1])
     sc = SideChannelFaults(**args["sc_faults"])
-    sc.install()
     P = Engine("kv_producer", args["extra"], engine_id="P", block_size=args["block_size"],
-               num_blocks=args["num_blocks"], max_num_batched_tokens=1024)
+               num_blocks=args["num_blocks"], max_num_batched_tokens=1024, transmit=sc.transmit)
     w = P.worker._worker
     cmds: queue.Queue = queue.Queue()
 
@@ -84,10 +83,10 @@ def main() -> None:
         if f != sent_faults:
             sent_faults = f
             out(faults=f)
-        if drain_until is not None and ((not P.scheduler.requests and not w._holds) or now > drain_until):
+        if drain_until is not None and ((not P.scheduler.requests and not w.producer.holds) or now > drain_until):
             st = w.agent.stats()
             out(report={"producer_blocks": P.free0 - P.free_blocks(), "producer_pending": st["pending"],
-                        "producer_unquiesced": st["unquiesced"], "producer_holds": len(w._holds),
+                        "producer_unquiesced": st["unquiesced"], "producer_holds": len(w.producer.holds),
                         "producer_requests": len(P.scheduler.requests), "faults": faults()})
             drain_until = None
         if not P.scheduler.requests:

@@ -16,7 +16,7 @@ Faults, all drawn from seeded RNGs:
   failed transfers, transfers that never complete, completions delayed past the deadline,
   dropped / duplicated agent notifications (the connector does not use agent notifications;
   its notifications are side-channel messages, faulted below);
-* side channel (:class:`SideChannelFaults`, at ``SideChannelClient._transmit``): requests
+* side channel (:class:`SideChannelFaults`, the workers' ``transmit``): requests
   dropped, duplicated as a network replay (same sealed frame twice: the replay guard must
   refuse the copy), duplicated as an application resend (two fresh seals: the handler sees
   it twice), delayed past the producer's lease;
@@ -83,7 +83,8 @@ WFRK = RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
 class SideChannelFaults:
-    """Perturbs every side-channel request sent by any worker of this process."""
+    """Perturbs every side-channel request sent by the workers it is passed to (as their
+    clients' ``transmit``: :class:`kvtransport_vllm.side_channel.Transmit`)."""
 
     def __init__(self, seed: int, drop: float = 0.0, dup_frame: float = 0.0, dup_msg: float = 0.0,
                  delay: float = 0.0, delay_s: float = 0.0) -> None:
@@ -93,18 +94,6 @@ class SideChannelFaults:
         self.enabled = True
         self.counts: Counter[str] = Counter()
         self._later: list[tuple[float, SideChannelClient, bytes]] = []
-        self._real = SideChannelClient._transmit
-
-    def install(self) -> None:
-        faults = self
-
-        def _transmit(client: SideChannelClient, body: bytes) -> None:
-            faults.transmit(client, body)
-
-        SideChannelClient._transmit = _transmit  # type: ignore[method-assign]
-
-    def uninstall(self) -> None:
-        SideChannelClient._transmit = self._real  # type: ignore[method-assign]
 
     def transmit(self, client: SideChannelClient, body: bytes) -> None:
         if not self.enabled:
@@ -252,9 +241,10 @@ class _ErrorLog(logging.Handler):
 class LocalProducer:
     """The producer engine in this process."""
 
-    def __init__(self, cfg: SoakConfig, port: int) -> None:
+    def __init__(self, cfg: SoakConfig, port: int, sc: SideChannelFaults) -> None:
         self.engine = Engine("kv_producer", cfg.extra(port, cfg.seed * 7 + 1), engine_id="P",
-                             block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_num_batched_tokens=1024)
+                             block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_num_batched_tokens=1024,
+                             transmit=sc.transmit)
         self.worker = self.engine.worker._worker
         self.died = False
 
@@ -274,16 +264,16 @@ class LocalProducer:
         return params
 
     def lease_end(self, key: str) -> str | None:
-        return self.worker._ended.get(key)
+        return self.worker.producer.ended.get(key)
 
     def idle(self) -> bool:
-        return not self.engine.scheduler.requests and not self.worker._holds
+        return not self.engine.scheduler.requests and not self.worker.producer.holds
 
     def leaks(self) -> dict[str, int]:
         st = self.worker.agent.stats()
         return {"producer_blocks": self.engine.free0 - self.engine.free_blocks(),
                 "producer_pending": st["pending"], "producer_unquiesced": st["unquiesced"],
-                "producer_holds": len(self.worker._holds)}
+                "producer_holds": len(self.worker.producer.holds)}
 
     def faults(self) -> dict[str, int]:
         f = self.worker.agent.faults
@@ -460,10 +450,11 @@ class Soak:
         self.errlog = _ErrorLog()
         self.p_port = base
         self.P: LocalProducer | ChildProducer
-        self.P = ChildProducer(cfg, base) if cfg.child_producer else LocalProducer(cfg, base)
+        self.P = ChildProducer(cfg, base) if cfg.child_producer else LocalProducer(cfg, base, self.sc)
         try:
             self.C = Engine("kv_consumer", cfg.extra(base + 4, cfg.seed * 7 + 99), engine_id="C",
-                            block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_num_batched_tokens=1024)
+                            block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_num_batched_tokens=1024,
+                            transmit=self.sc.transmit)
         except BaseException:
             self.P.close()
             raise
@@ -590,7 +581,7 @@ class Soak:
         tracked_before = set(C.scheduler.requests)
         step_began = time.monotonic()  # the worker's `now` in this step is no earlier
         with self.cw.ctx.lock:
-            due = {rid for rid, rec in self.cw._recv.items() if rec.deadline < step_began}
+            due = {rid for rid, rec in self.cw.consumer.recv.items() if rec.deadline < step_began}
         self._due_seen |= due
         try:
             C.step()
@@ -671,7 +662,7 @@ class Soak:
         ``step_began``; a load whose deadline was already past had to give up there."""
         cutoff = self.cfg.lease_s + self.cfg.timeout_s
         with self.cw.ctx.lock:
-            loads = list(self.cw._recv.items())
+            loads = list(self.cw.consumer.recv.items())
         for rid, rec in loads:
             if rec.deadline >= step_began or rid in self._i2_seen:
                 continue
@@ -744,7 +735,6 @@ class Soak:
         t0 = time.monotonic()
         logger = logging.getLogger("kvtransport_vllm")
         logger.addHandler(self.errlog)
-        self.sc.install()
         last_log = t0
         guard_at = t0 + 60 + cfg.requests * 2.0
         try:
@@ -760,7 +750,6 @@ class Soak:
                     break
             self._drain()
         finally:
-            self.sc.uninstall()
             logger.removeHandler(self.errlog)
             self.res.elapsed_s = time.monotonic() - t0
             self.res.loads_past_deadline = len(self._due_seen)
@@ -776,7 +765,7 @@ class Soak:
         cfg = self.cfg
         end = time.monotonic() + 2 * cfg.timeout_s + 2 * cfg.lease_s + 20
         def idle() -> bool:
-            return (not self.C.scheduler.requests and not self.cw._recv
+            return (not self.C.scheduler.requests and not self.cw.consumer.recv
                     and (not isinstance(self.P, LocalProducer) or self.P.idle()))
         while not idle() and time.monotonic() < end:
             self.iterate()
@@ -784,7 +773,7 @@ class Soak:
         self.sc.flush(float("inf"))
         c_stats = self.cw.agent.stats()
         leaks = {"consumer_blocks": self.C.free0 - self.C.free_blocks(), "consumer_pending": c_stats["pending"],
-                 "consumer_unquiesced": c_stats["unquiesced"], "consumer_loads": len(self.cw._recv),
+                 "consumer_unquiesced": c_stats["unquiesced"], "consumer_loads": len(self.cw.consumer.recv),
                  "consumer_requests": len(self.C.scheduler.requests)}
         if isinstance(self.P, LocalProducer):
             leaks.update(self.P.leaks())

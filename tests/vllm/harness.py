@@ -50,7 +50,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvtransport.testing.ports import free_port_range  # noqa: E402
 from kvtransport_vllm.plugin import register  # noqa: E402
-from kvtransport_vllm.side_channel import SideChannelClient  # noqa: E402
+from kvtransport_vllm.side_channel import SideChannelClient, Transmit  # noqa: E402
 
 NUM_LAYERS = 2
 KV_HEADS = 2
@@ -123,7 +123,9 @@ class Engine:
     def __init__(self, kv_role: str, extra: dict[str, Any], *, block_size: int = 16, num_blocks: int = 64,
                  engine_id: str | None = None, connector_cls: type | None = None,
                  kv_load_failure_policy: str = "fail", max_num_batched_tokens: int = 256,
-                 dp_rank: int = 0, sliding_window: int | None = None) -> None:
+                 dp_rank: int = 0, sliding_window: int | None = None, transmit: Transmit | None = None) -> None:
+        """``transmit``: how the worker's side-channel clients send (a lossy network model;
+        default: seal and send)."""
         global _none_hash
         register()
         if not _none_hash:
@@ -167,6 +169,8 @@ class Engine:
         self.connector = self.scheduler.connector
         self.worker = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER,
                                                           self.kv_cache_config)
+        if transmit is not None:  # before any client exists: each takes it when made
+            self.worker._worker.ctx.transmit = transmit
         self.kv_caches = {
             f"layers.{i}": torch.zeros(num_blocks, KV_HEADS, block_size, 2 * HEAD_SIZE, dtype=torch.float32)
             for i in range(NUM_LAYERS)
@@ -326,17 +330,17 @@ class Pair:
     def __init__(self, mode: str = "read", *, p_extra: dict | None = None, c_extra: dict | None = None,
                  policy: str = "recompute", timeout_s: float = 5.0, lease_s: float = 10.0,
                  c_block_size: int = 16, consumer_cls: type | None = None,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, transmit: Transmit | None = None) -> None:
         base = free_port_base(8)
         common = {"backend": "loopback", "mode": mode, "transfer_timeout_s": timeout_s, "lease_s": lease_s,
                   "load_failure_policy": policy}
         self.p_port, self.c_port = base, base + 4
         self.P = Engine("kv_producer", {**common, "side_channel_port": base, **(p_extra or {})}, engine_id="P",
-                        sliding_window=sliding_window)
+                        sliding_window=sliding_window, transmit=transmit)
         try:
             self.C = Engine("kv_consumer", {**common, "side_channel_port": base + 4, **(c_extra or {})},
                             engine_id="C", block_size=c_block_size, connector_cls=consumer_cls,
-                            sliding_window=sliding_window)
+                            sliding_window=sliding_window, transmit=transmit)
         except BaseException:
             self.P.close()
             raise

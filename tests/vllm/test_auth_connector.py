@@ -98,7 +98,7 @@ def pair():
 def _secret_bytes(worker):
     """Every byte string that would let a peer read or write our memory."""
     agent = worker.agent
-    md = worker._agent_md
+    md = worker.ctx.agent_md
     dm = decode_metadata(md)
     out = {"agent metadata": md, "backend blob": dm.blob, "instance id": dm.instance.encode()}
     for r in dm.regions:
@@ -111,7 +111,7 @@ def _secret_bytes(worker):
 
 def _hello(consumer_worker) -> bytes:
     w = consumer_worker
-    return encode(Hello(engine_id="intruder", tp_rank=0, agent_md=w._agent_md, layout=w.layout,
+    return encode(Hello(engine_id="intruder", tp_rank=0, agent_md=w.ctx.agent_md, layout=w.layout,
                         reply_host="127.0.0.1", reply_port=1))
 
 
@@ -270,18 +270,18 @@ def test_passive_tap_sees_no_address_and_no_key(backend, auth):
         p.drain()
         p.assert_no_leak()
         to_server, to_client = tap.recorded()
-        assert len(to_client) > len(pw._agent_md), "the Welcome did not cross the tap"
+        assert len(to_client) > len(pw.ctx.agent_md), "the Welcome did not cross the tap"
 
         wanted = {f"producer {k}": v for k, v in _secret_bytes(pw).items()}
         wanted |= {f"consumer {k}": v for k, v in _secret_bytes(cw).items()}
-        for r in decode_metadata(pw._agent_md).regions + decode_metadata(cw._agent_md).regions:
+        for r in decode_metadata(pw.ctx.agent_md).regions + decode_metadata(cw.ctx.agent_md).regions:
             wanted[f"region at {r.addr:#x} little-endian"] = struct.pack("<Q", r.addr)
         # UCX over tcp/shm/cma packs no key material (its rkey is a few constant bytes, e.g.
         # 9 zero bytes here: found anywhere by chance); RDMA rkeys are distinctive: searched.
         wanted = {k: v for k, v in wanted.items() if len(v) >= 8 and len(set(v)) > 2}
         assert any("agent metadata" in k for k in wanted) and any("address" in k for k in wanted)
         seen = sorted(what for what, blob in wanted.items() if blob in to_server or blob in to_client)
-        welcome = encode(Welcome(engine_id=p.P.engine_id, agent_md=pw._agent_md, layout=pw.layout))
+        welcome = encode(Welcome(engine_id=p.P.engine_id, agent_md=pw.ctx.agent_md, layout=pw.layout))
         windows = _windows(welcome)
         seen_windows = sum(w in to_client for w in windows)
         if auth == "on":

@@ -32,7 +32,7 @@ class _Load:
     def watch(self) -> None:
         """Call after each round of steps: note the deadline and the reporting round."""
         now = time.monotonic()
-        r = self.pair.C.worker._worker._recv.get(self.rid)
+        r = self.pair.C.worker._worker.consumer.recv.get(self.rid)
         if r is not None and self.deadline is None:
             self.deadline = r.deadline
         outs = self.pair.C.kv_outputs
@@ -176,9 +176,9 @@ def test_expired_lease_late_read_refused_not_stale(pairs, caplog, policy):
     params = pair.prefill("p1", prompt)
     w = pair.P.worker._worker
     pair.P.step()  # the hold reaches the producer's worker with the next step's metadata
-    assert len(w._holds) == 1
-    with w._lock:
-        for h in w._holds.values():
+    assert len(w.producer.holds) == 1
+    with w.ctx.lock:
+        for h in w.producer.holds.values():
             h.expiry = 0.0  # lease lapsed (consumer made no progress)
     pair.P.step()
     assert pair.P.free_blocks() == pair.P.free0  # freed on lapse
@@ -329,13 +329,13 @@ def test_stale_write_hazard_consumer_keeps_blocks_until_producer_acks_cancel(pai
     params = pair.prefill("p1", prompt)
     load = _start(pair, prompt, params=params)
     w = pair.P.worker._worker
-    recv = pair.C.worker._worker._recv["c1"]
-    load.run(lambda: any(h.state is HoldState.POSTED for h in w._holds.values()))
+    recv = pair.C.worker._worker.consumer.recv["c1"]
+    load.run(lambda: any(h.state is HoldState.POSTED for h in w.producer.holds.values()))
     load.run(lambda: recv.state is RecvState.CANCEL)  # the consumer gave up at its deadline
     assert pair.C.status("c1") == RequestStatus.WAITING_FOR_REMOTE_KVS  # blocks kept aside
-    assert any(h.state is HoldState.POSTED for h in w._holds.values())  # write still in flight
+    assert any(h.state is HoldState.POSTED for h in w.producer.holds.values())  # write still in flight
     load.run(lambda: pair.C.status("c1") != RequestStatus.WAITING_FOR_REMOTE_KVS)
-    assert not w._holds  # producer's write ended before the consumer let go
+    assert not w.producer.holds  # producer's write ended before the consumer let go
     _outcome(pair, "c1", prompt, "recompute", load, caplog, "before the deadline", by_deadline=True)
 
 

@@ -54,8 +54,8 @@ def live():
     sock.connect(f"tcp://127.0.0.1:{pair.p_port}")
     auth = Authenticator(TEST_SECRET.encode(), AUTH_CHANNEL)
     state = {"pair": pair, "sock": sock, "auth": auth, "tb": tb, "to": endpoint_name("127.0.0.1", pair.p_port),
-             "server": pair.P.worker._worker.server, "md": pair.P.worker._worker._agent_md,
-             "layout": pair.C.worker._worker.layout, "c_md": pair.C.worker._worker._agent_md}
+             "server": pair.P.worker._worker.server, "md": pair.P.worker._worker.ctx.agent_md,
+             "layout": pair.C.worker._worker.layout, "c_md": pair.C.worker._worker.ctx.agent_md}
     yield state
     logging.getLogger("kvtransport_vllm").removeHandler(tb)
     sock.close(0)

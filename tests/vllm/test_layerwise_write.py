@@ -18,6 +18,7 @@ import torch
 
 from harness import Engine, Pair, ask_producer, free_port_base, kv_pattern, prompt_of, run_until
 from kvtransport import Op
+from kvtransport.testing.fault_controls import gate_posts
 from kvtransport_vllm.config import ConnectorConfig, ConnectorConfigError
 from kvtransport_vllm.connector import KVTransportConnector
 from kvtransport_vllm.messages import Cancel, Reply
@@ -151,7 +152,7 @@ def test_layerwise_write_pushes_each_chunk_during_the_prefill_and_bytes_match(lw
     pair.P.step()  # first chunk: tokens 0..31, blocks 0 and 1 complete in every layer
     _settle_posts(pair, uuid)
     assert pair.P.status(p_rid) == RequestStatus.RUNNING, "the prefill is still running"
-    assert uuid not in pw._holds
+    assert uuid not in pw.producer.holds
     # what a user checks: the decode engine already has the first chunk's KV, every layer
     assert pair.C.check_kv(c_rid, prompt, CHUNK) == [], "first chunk's blocks not pushed during the prefill"
     assert not _recvd(pair.C, c_rid), "load reported before the prefill ended"
@@ -238,7 +239,7 @@ def test_cancel_during_prefill_is_pending_while_a_layer_post_is_inside_the_backe
     blocks = pair.C.block_ids(c_rid)
     pair.P.add(p_rid, prompt, 1, {"do_remote_decode": True})
     pw = pair.P.worker._worker
-    gate = pw.agent.faults.gate_posts(frozenset({Op.WRITE}))
+    gate = gate_posts(pw.agent.faults, frozenset({Op.WRITE}))
     import threading
 
     stepped = threading.Thread(target=pair.P.step, name="producer-step", daemon=True)

@@ -52,8 +52,8 @@ def _producer_worker(pair):
 
 def _hold_of(pair, rid: str):
     w = _producer_worker(pair)
-    with w._lock:
-        return next((h for h in w._holds.values() if h.req_id == rid), None)
+    with w.ctx.lock:
+        return next((h for h in w.producer.holds.values() if h.req_id == rid), None)
 
 
 def _hold_started(pair, rid: str) -> float:
@@ -95,7 +95,7 @@ def _run_slow_read(pair, rid_p: str, rid_c: str, prompt, gap_s: float, watch_lea
     def cond():
         nonlocal held_past_lease
         if watch_lease and time.monotonic() > expiry:
-            held_past_lease |= any(h.req_id == rid_p for h in w._holds.values())
+            held_past_lease |= any(h.req_id == rid_p for h in w.producer.holds.values())
         return pair.C.status(rid_c) != RequestStatus.WAITING_FOR_REMOTE_KVS and pair.C.status(rid_c) is not None \
             and pair.C.status(rid_c) != RequestStatus.WAITING
 
@@ -171,7 +171,7 @@ def test_slow_handshake_keeps_its_lease(pairs, monkeypatch):
     def cond():
         nonlocal held
         if time.monotonic() > expiry:
-            held |= any(h.req_id == "p1" for h in w._holds.values())
+            held |= any(h.req_id == "p1" for h in w.producer.holds.values())
         return pair.C.status("c1") not in (RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.WAITING, None)
 
     pair.run(cond, timeout=TIMEOUT_S + LEASE_S + 20)  # a hang guard, not a timing bound
@@ -211,7 +211,7 @@ def test_queued_request_renews_lease(pairs, monkeypatch, renew):
             pair.C.step()
             assert pair.C.status("c1") == RequestStatus.WAITING  # queued, not loading
             time.sleep(0.005)
-        held = any(h.req_id == "p1" for h in _producer_worker(pair)._holds.values())
+        held = any(h.req_id == "p1" for h in _producer_worker(pair).producer.holds.values())
     finally:
         pool.free_blocks(taken)
     pair.run(lambda: pair.C.status("c1") not in (RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.WAITING))
@@ -243,7 +243,7 @@ def test_stalled_consumer_lets_lease_lapse(pairs):
     _hold_started(pair, "p1")
     pair.C.add("c1", prompt, 3, params)
     cw = pair.C.worker._worker
-    pair.run(lambda: any(r.state is RecvState.READ for r in cw._recv.values()))  # READ posted
+    pair.run(lambda: any(r.state is RecvState.READ for r in cw.consumer.recv.values()))  # READ posted
     # C is stalled: only P steps, past the lease
     pw = _producer_worker(pair)
     key = params["transfer_id"]
@@ -257,7 +257,7 @@ def test_stalled_consumer_lets_lease_lapse(pairs):
     freed_by = time.monotonic()
     # The producer freed because the lease it last granted ran out, not earlier and not
     # for another reason.
-    assert pw._ended.get(key) == "expired", pw._ended.get(key)
+    assert pw.producer.ended.get(key) == "expired", pw.producer.ended.get(key)
     assert freed_by >= last_expiry, "producer freed before the lease ran out"
     pair.P.step()
     assert _times_sent(pair.P, "p1") == 1

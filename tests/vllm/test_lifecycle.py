@@ -51,7 +51,7 @@ def test_lifecycle_waiting_remote_running_finished_no_leak(pairs, mode):
         # over); WRITE, once the consumer has the producer's "written". (Not "after
         # done_recving": P frees on its "ok", which C may report one step later.)
         if pair.P.free_blocks() != held:
-            r = pair.C.worker._worker._recv.get("c1")
+            r = pair.C.worker._worker.consumer.recv.get("c1")
             assert r is None or r.state is RecvState.CONFIRM or r.written is True, \
                 f"producer freed its blocks while the consumer was still {r.state.value}"
         return done()

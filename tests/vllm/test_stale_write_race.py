@@ -30,6 +30,7 @@ import torch
 
 from harness import ask_producer, prompt_of
 from kvtransport import Op
+from kvtransport.testing.fault_controls import gate_posts
 from kvtransport_vllm.messages import Aborted, Cancel, Release, Reply
 
 SENTINEL = -7.0  # the stand-in model never writes a negative value
@@ -84,7 +85,7 @@ def _start_gated_write(pair, prompt):
     """Prefill on P, arm the gate, start the load on C; returns when the producer's write
     is blocked inside post (and the consumer's blocks)."""
     params = pair.prefill("p1", prompt)
-    gate = pair.P.worker._worker.agent.faults.gate_posts(frozenset({Op.WRITE}))
+    gate = gate_posts(pair.P.worker._worker.agent.faults, frozenset({Op.WRITE}))
     loop = _ProducerLoop(pair)
     pair.C.add("c1", prompt, 3, params)
     _step_c_until(pair, gate.entered.is_set)
@@ -110,14 +111,14 @@ def test_consumer_cancel_while_post_blocks_is_not_acked_and_nothing_lands_in_fre
     # Every status the producer gives the consumer for this key, and whether it came while
     # the producer's post was still blocked.
     seen: list[tuple[str, bool]] = []
-    real_reply = cw._on_consumer_reply
+    real_reply = cw.consumer.on_reply
 
     def record(msg):
         if isinstance(msg, Reply) and key in msg.status:
             seen.append((msg.status[key], not gate.passed.is_set()))
         return real_reply(msg)
 
-    cw._on_consumer_reply = record
+    cw.consumer.on_reply = record
     handed_back = False
     handed_back_while_posting = False
 
@@ -176,7 +177,7 @@ def test_give_up_messages_while_post_blocks_keep_the_hold(pairs, kind):
     pw = pair.P.worker._worker
     try:
         reply = _request(pair, kind(keys=[key]))
-        still_held = key in pw._holds
+        still_held = key in pw.producer.holds
     finally:
         gate.release()
     try:

@@ -266,7 +266,7 @@ class Consumer:
                 self._finish(r, ok=False)
             else:
                 self._set(r, RecvState.CONFIRM)
-                self._send_confirm(r, now)
+                self.send.confirm(r, now)
             return
         for pc, st in zip(posted, sts):  # FAILED and quiesced: no late byte can land any more
             if st.state is kvt.State.FAILED:
@@ -282,7 +282,7 @@ class Consumer:
             self.send.release(r)
             self._finish(r, ok=False)
         elif now - r.last_sent > 0.05:
-            self._send_confirm(r, now)
+            self.send.confirm(r, now)
 
     def _advance_write_wait(self, r: Recv, now: float, gave_up: bool) -> None:
         written = r.written
@@ -361,11 +361,6 @@ class Consumer:
         p = self.peers.get((host, port))
         if p is not None and p.state == "ready":
             p.state = "draining"  # hand-shake again once no read is in flight on it (``peer``)
-
-    def _send_confirm(self, r: Recv, now: float) -> None:
-        """"Done with key?" to every producer rank of ``r`` not yet ``ok`` (the seam the
-        soak tests patch to lose confirmations)."""
-        self.send.confirm(r, now)
 
     def _start_giving_up(self, r: Recv) -> None:
         """Stop waiting for ``r``. READ: tell the producer ranks to free. WRITE: they may

@@ -20,7 +20,7 @@ from kvtransport.auth import Authenticator
 from .config import ConnectorConfig
 from .load_stats import new_stats
 from .messages import LayoutInfo
-from .side_channel import SideChannelClient
+from .side_channel import SideChannelClient, Transmit, send_sealed
 
 __all__ = ["WorkerContext", "new_stats"]
 
@@ -43,9 +43,13 @@ class WorkerContext:
     agent_md: bytes = b""
     #: clients to the reply addresses peers gave us (Written, notices), by (host, port)
     reply_clients: dict[tuple[str, int], SideChannelClient] = field(default_factory=dict)
+    #: how every side-channel client of this worker puts a request on the wire (seal and
+    #: send; a soak passes a lossy network model before the first peer is contacted)
+    transmit: Transmit = send_sealed
 
     def new_client(self, host: str, port: int) -> SideChannelClient:
-        return SideChannelClient(host, port, auth=self.auth, max_message_bytes=self.cfg.max_message_bytes)
+        return SideChannelClient(host, port, auth=self.auth, max_message_bytes=self.cfg.max_message_bytes,
+                                 transmit=self.transmit)
 
     def client_to(self, host: str, port: int) -> SideChannelClient:
         """The (cached) client to a peer's reply address. Engine thread only."""

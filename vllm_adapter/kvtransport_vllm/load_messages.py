@@ -51,6 +51,7 @@ class LoadMessages:
                                                                readers=readers))
 
     def confirm(self, r: Recv, now: float) -> None:
+        """"Done with key?" to every producer rank of ``r`` not yet ``ok``."""
         for pc in r.pieces:
             if pc.answer != "ok":
                 pc.sent(self.peers.get(r.job.host, pc.port).client.send(

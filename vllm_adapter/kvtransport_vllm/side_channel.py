@@ -14,10 +14,10 @@ the secret; channel, direction, timestamp and nonce authenticated; replays and s
 messages refused): a tap on the path sees ciphertext only. Each request is sealed for
 the worker it addresses, named by its side-channel endpoint (:func:`endpoint_name`: the
 advertised host and the port, which is the worker's DP and TP rank, docs/vllm/USAGE.md); a
-server opens only requests sealed for one of its own names (:class:`OwnNames`), so a
-request captured on its way to one worker and replayed to another is refused and
-counted (``misdirected``, also in ``auth``). Each reply names the same worker and is
-bound to the nonce of the request it answers; the client keeps the nonces of its
+server opens only requests sealed for one of its own names (:class:`OwnNames`, in
+:mod:`.side_channel_names`), so a request captured on its way to one worker and
+replayed to another is refused and counted (``misdirected``, also in ``auth``). Each
+reply names the same worker and is bound to the nonce of the request it answers; the client keeps the nonces of its
 unanswered requests (bounded) and accepts a reply only as the answer to one of them,
 once: a reply reaches only the requester that sealed that nonce. A request that
 fails authentication never reaches the handler: it gets at most a short unsealed
@@ -32,8 +32,6 @@ replies and never kill the thread.
 
 from __future__ import annotations
 
-import functools
-import ipaddress
 import itertools
 import logging
 import math
@@ -48,10 +46,12 @@ import zmq
 from kvtransport.auth import AuthError, Authenticator, AuthVersionError, MisdirectedError, StaleMessageError
 
 from .messages import PROTOCOL_VERSION, Error, Msg, decode, encode, peek_version
+from .side_channel_names import NamesSeenFrom, OwnNames, endpoint_name
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SideChannelServer", "SideChannelClient", "SideChannelError", "TokenBucket", "OwnNames", "endpoint_name"]
+__all__ = ["SideChannelServer", "SideChannelClient", "SideChannelError", "TokenBucket", "OwnNames", "endpoint_name",
+           "Transmit", "send_sealed"]
 
 
 class SideChannelError(RuntimeError):
@@ -62,112 +62,6 @@ def _endpoint(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"tcp://{host}:{port}"
-
-
-def _norm_host(host: str) -> str:
-    """One spelling per address: no brackets, lower case, IP addresses in canonical form."""
-    h = host.strip().lower()
-    if h.startswith("[") and h.endswith("]"):
-        h = h[1:-1]
-    try:
-        return str(ipaddress.ip_address(h))
-    except ValueError:
-        return h.rstrip(".")
-
-
-def endpoint_name(host: str, port: int) -> str:
-    """The name a sealed request gives the worker it is for: ``host:port`` (``[v6]:port``)
-    of its side channel. The port is the worker's rank (DP rank d, TP rank r listen on
-    base + d * TP + r) and the host, as peers are told it (``side_channel_host``, carried
-    as ``remote_host`` or a Hello's reply address), tells engines apart."""
-    h = _norm_host(host)
-    return f"[{h}]:{port}" if ":" in h else f"{h}:{port}"
-
-
-@functools.lru_cache(maxsize=256)  # asked per request: a worker sees few distinct names
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
-
-
-_WILDCARDS = ("", "*", "0.0.0.0", "::")
-
-
-class OwnNames:
-    """The destination names a worker's server opens requests for (a ``Container`` for
-    :meth:`Authenticator.open`).
-
-    Always its advertised endpoint (and its bind address, when that is one address).
-    From a peer on this host (the connection comes from a loopback address), when the
-    server listens on loopback (on every interface, or on a loopback address), also any
-    loopback address with its port: same-host peers may name it 127.0.0.1 or localhost
-    whatever it advertises. A peer on another host can name it only as advertised, so a
-    request sealed for a worker elsewhere that listens on the same port is refused."""
-
-    def __init__(self, host: str, port: int, bind_host: str | None, *, local_peer: bool) -> None:
-        self.port = port
-        self.advertised = endpoint_name(host, port)
-        names = {self.advertised}
-        wildcard = bind_host is not None and bind_host.strip("[]") in _WILDCARDS
-        if bind_host is not None and not wildcard:
-            names.add(endpoint_name(bind_host, port))
-        self._exact = frozenset(names)
-        self._any_loopback = local_peer and (wildcard or _is_loopback(_norm_host(bind_host or host)))
-
-    def __contains__(self, name: object) -> bool:
-        if name in self._exact:
-            return True
-        if not self._any_loopback or not isinstance(name, str):
-            return False
-        host, _, port = name.rpartition(":")
-        if port != str(self.port):
-            return False
-        return _is_loopback(host[1:-1] if host.startswith("[") and host.endswith("]") else host)
-
-    def __str__(self) -> str:
-        if self._any_loopback:
-            return f"{self.advertised} (or, from this host, a loopback address with port {self.port})"
-        return self.advertised
-
-
-class _NamesSeenFrom:
-    """A worker's :class:`OwnNames` as seen from the connection one request came on. The
-    peer's address is read only for a name that is not the advertised one (reading it
-    costs more than the rest of the check)."""
-
-    __slots__ = ("_remote", "_local", "_frame")
-
-    def __init__(self, remote: OwnNames, local: OwnNames, frame: zmq.Frame) -> None:
-        self._remote, self._local, self._frame = remote, local, frame
-
-    def _view(self) -> OwnNames:
-        return self._local if _from_loopback(self._frame) else self._remote
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._remote or name in self._view()
-
-    def __str__(self) -> str:
-        return str(self._view())
-
-
-def _from_loopback(frame: zmq.Frame) -> bool:
-    """Whether ``frame`` came over a connection from a loopback address (this host)."""
-    try:
-        peer = frame.get("Peer-Address")
-    except (zmq.ZMQError, KeyError, ValueError):  # not TCP, or a libzmq without the property
-        return False
-    return isinstance(peer, str) and _is_loopback_peer(peer)
-
-
-@functools.lru_cache(maxsize=256)
-def _is_loopback_peer(address: str) -> bool:
-    return _is_loopback(_norm_host(address))
 
 
 class TokenBucket:
@@ -250,7 +144,7 @@ class SideChannelServer:
             if len(frames) < 2:
                 continue
             ident, payload = frames[0].bytes, frames[-1].bytes
-            out = self._handle(payload, _NamesSeenFrom(self._names, self._local_names, frames[-1]))
+            out = self._handle(payload, NamesSeenFrom(self._names, self._local_names, frames[-1]))
             if out is None:
                 continue
             try:
@@ -271,7 +165,7 @@ class SideChannelServer:
                         self.host, self.port, code, self.counters[code], message)
         return encode(Error(cid=cid, code=code, message=message))
 
-    def _handle(self, payload: bytes, names: _NamesSeenFrom) -> bytes | None:
+    def _handle(self, payload: bytes, names: NamesSeenFrom) -> bytes | None:
         """Reply bytes for one request frame (None: no reply); ``names``: what it may be
         sealed for, as seen from the connection it came on."""
         body, nonce, dest = payload, None, ""
@@ -328,6 +222,18 @@ def _cid_of(body: bytes) -> int | None:
         return None
 
 
+def send_sealed(client: SideChannelClient, body: bytes) -> None:
+    """Seal one request body and send it: how a client's requests leave by default."""
+    client.send_frame(client.seal(body))
+
+
+#: How a client puts one encoded request body on the wire: ``transmit(client, body)``,
+#: built from :meth:`SideChannelClient.seal` and :meth:`SideChannelClient.send_frame`.
+#: :func:`send_sealed` by default; a model of a lossy network passes its own (dropping,
+#: delaying, or sending a frame twice).
+Transmit = Callable[["SideChannelClient", bytes], None]
+
+
 class SideChannelClient:
     """Non-blocking request/reply to one peer's server (DEALER socket, main thread only).
 
@@ -353,9 +259,11 @@ class SideChannelClient:
 
     def __init__(self, host: str, port: int, *, auth: Authenticator | None,
                  max_message_bytes: int = 16 * 1024 * 1024, max_pending: int = 8192,
-                 reconnect_after_s: float | None = None):
-        """``auth`` is required: pass None only when authentication is explicitly off."""
+                 reconnect_after_s: float | None = None, transmit: Transmit | None = None):
+        """``auth`` is required: pass None only when authentication is explicitly off.
+        ``transmit``: how requests leave (default :func:`send_sealed`)."""
         self.host, self.port = host, port
+        self._transmit: Transmit = send_sealed if transmit is None else transmit
         #: the worker our requests are sealed for
         self.dest = endpoint_name(host, port)
         self._auth = auth
@@ -408,7 +316,7 @@ class SideChannelClient:
     def send(self, msg: Msg) -> int:
         msg.cid = next(self._cids)
         self._reconnect_if_silent(time.monotonic())  # before sealing: a reconnect forgets nonces
-        self._transmit(encode(msg))
+        self._transmit(self, encode(msg))
         return msg.cid
 
     def seal(self, body: bytes) -> bytes:
@@ -427,10 +335,6 @@ class SideChannelClient:
     def pending(self) -> int:
         """Sealed requests still waiting for their reply."""
         return len(self._pending)
-
-    def _transmit(self, body: bytes) -> None:
-        """Seal and send one request body (the fault-injection seam of the soak tests)."""
-        self.send_frame(self.seal(body))
 
     def send_frame(self, frame: bytes) -> None:
         try:

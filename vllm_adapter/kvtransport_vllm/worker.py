@@ -28,7 +28,6 @@ when the producer is known gone (the stale-write invariant, see :mod:`.producer`
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,15 +35,15 @@ from typing import Any
 import kvtransport as kvt
 
 from .config import ConnectorConfig, ConnectorConfigError, rank_port
-from .consumer import Consumer, Recv, plan_ranks
+from .consumer import Consumer, plan_ranks
 from .context import WorkerContext, new_stats
 from .discovery import DiscoveryHeartbeat, start_discovery
 from .handlers import SideChannelHandlers
 from .kv_groups import GroupInfo
 from .kv_layout import KVLayoutError, check_uniform, describe_kv_caches
 from .layerwise import LayerwiseWriter
-from .messages import Aborted, KVTransportMetadata, LayoutInfo, Msg, PeerNotice, Release, Renew
-from .producer import Hold, Producer
+from .messages import Aborted, KVTransportMetadata, LayoutInfo, PeerNotice, Release, Renew
+from .producer import Producer
 from .side_channel import SideChannelServer, wait_for_any
 from .staging import Fence, HostKV, HostStaging, KVDevice, make_kv_device, merge_group_ids
 from .tp_mapping import TPMappingError
@@ -82,12 +81,6 @@ class KVTransportWorker:
         model: ModelInfo | None = None,
         groups: list[GroupInfo] | None = None,
     ) -> None:
-        if cfg.gil_switch_interval_s > 0:
-            # vLLM's worker loop busy-waits in Python for its next step, so our side-channel
-            # thread and the backends' copy threads get the GIL only when the interpreter
-            # forces a switch: every 5 ms by default, which put up to 5 ms on every message
-            # and completion (measured: sequential WRITE p50 148 -> 85 ms; docs/VLLM.md).
-            sys.setswitchinterval(cfg.gil_switch_interval_s)
         self.cfg = cfg
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -134,34 +127,16 @@ class KVTransportWorker:
         self.layerwise: LayerwiseWriter | None = None
 
     # ------------------------------------------------------------------ shared state
-    # (read by tests and the soak harness: the tables are the state machines' own)
     @property
     def agent(self) -> Any:
+        """This worker's kvtransport agent (None before the KV caches are registered and
+        after shutdown): its ``stats()`` and peers are the transport's own view."""
         return self.ctx.agent
 
     @property
     def layout(self) -> LayoutInfo | None:
+        """Our KV layout as the hand-shake advertises it (None before registration)."""
         return self.ctx.layout
-
-    @property
-    def _agent_md(self) -> bytes:
-        return self.ctx.agent_md
-
-    @property
-    def _lock(self) -> Any:
-        return self.ctx.lock
-
-    @property
-    def _holds(self) -> dict[str, Hold]:
-        return self.producer.holds
-
-    @property
-    def _ended(self) -> dict[str, str]:
-        return self.producer.ended
-
-    @property
-    def _recv(self) -> dict[str, Recv]:
-        return self.consumer.recv
 
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -443,14 +418,9 @@ class KVTransportWorker:
     # ------------------------------------------------------------------ side-channel replies
     def _poll_replies(self) -> None:
         for msg in self.consumer.poll_replies():
-            self._on_consumer_reply(msg)
+            self.consumer.on_reply(msg)
         for msg in self.producer.poll_replies():
             self.producer.on_reply(msg)
-
-    def _on_consumer_reply(self, msg: Msg) -> None:
-        """A producer's reply to one of our loads (the seam tests patch to model a
-        consumer that mishandles replies)."""
-        self.consumer.on_reply(msg)
 
     def _send_notices(self) -> None:
         """Tell peers what the scheduler decided without a transfer: "release" (won't
