@@ -258,7 +258,7 @@ def raw_nixl_module() -> Any:
     """NIXL's Python API module, found the way the nixl backend finds it (which also keeps
     NIXL's UCX from loading RDMA modules on a host without an RDMA device)."""
     try:
-        from kvtransport_nixl import _probe
+        from kvtransport_nixl import probe as _probe
     except ImportError as exc:
         raise AnchorUnavailable(f"the kvtransport_nixl package is not importable ({exc})") from None
     mod, why = _probe.load_nixl()

@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from kvtransport_loopback import cma
-from kvtransport_ucx import _native
+from kvtransport_ucx import native as _native
 
 BUF = 256 << 20
 BLK = 16 << 10

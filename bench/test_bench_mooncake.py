@@ -150,7 +150,7 @@ class Bench:
         """The same engine work as our backend, minus our layer: 512-segment async batches,
         at most 1024 segments in flight, completion read with Mooncake's C++ batch status
         every POLL_S, batches freed."""
-        from kvtransport_mooncake._abi import EngineStatus, TaskState
+        from kvtransport_mooncake.abi import EngineStatus, TaskState
 
         status = EngineStatus(self.raw.get_engine_ptr())
         call = self.raw.batch_transfer_async_read if op == "READ" else self.raw.batch_transfer_async_write

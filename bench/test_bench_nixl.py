@@ -123,7 +123,7 @@ class _Target:
 
     def hello(self) -> tuple:
         from kvtransport.metadata import decode_metadata
-        from kvtransport_nixl._peers import DEC
+        from kvtransport_nixl.wire import CODEC as DEC
         md = self.kv.metadata()
         raw_md = DEC.decode(decode_metadata(md).blob).nixl_md
         return raw_md, self.buf.ctypes.data, md, self.region.id
@@ -177,7 +177,7 @@ class _InProcess:
 
 class _Bench:
     def __init__(self, topology: str) -> None:
-        from kvtransport_nixl import _probe
+        from kvtransport_nixl import probe as _probe
         m = _probe.nixl()
         self.topology = topology
         self.proc = None

@@ -99,7 +99,7 @@ def _sha(buf: np.ndarray, offs: np.ndarray, n: int) -> str:
 
 def _nixl_module():
     try:
-        from kvtransport_nixl import _probe
+        from kvtransport_nixl import probe as _probe
         return _probe.nixl()
     except Exception:  # noqa: BLE001 - any failure means "NIXL not available here"
         return None
@@ -262,7 +262,7 @@ class _Bench:
         return run_nixl, lambda: ag.release_xfer_handle(h)
 
     def _memcpy(self, op: str, lo: np.ndarray, ro: np.ndarray, n: int) -> Callable[[], None]:
-        from kvtransport_ucx import _native
+        from kvtransport_ucx import native as _native
         lib, _ = _native.library()
         # READ: target (mirror) -> local; WRITE: local -> a second local buffer (the mirror).
         src, dst, so, do = (self.mirror, self.buf, ro, lo) if op == "READ" else (self.buf, self.mirror, lo, ro)

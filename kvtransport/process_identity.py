@@ -18,9 +18,11 @@ from __future__ import annotations
 import functools
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
-__all__ = ["ProcessIdentity", "ProcessWatch", "boot_id", "pid_namespace", "process_start_time"]
+__all__ = ["ProcessIdentity", "ProcessWatch", "boot_id", "peer_alive", "pid_namespace", "process_start_time"]
 
 #: ``PF_EXITING`` from include/linux/sched.h: the process is being torn down. Its memory
 #: may already be gone although ``/proc/PID`` still exists.
@@ -224,3 +226,20 @@ class ProcessWatch:
         self._fd = -1
         if self._closer is not None:
             self._closer()
+
+
+class _ExitCheck(Protocol):
+    def has_exited(self) -> bool | None: ...
+
+
+def peer_alive(watch: _ExitCheck | None, otherwise: Callable[[], bool | None] = lambda: None) -> bool | None:
+    """The answer to ``Backend.peer_alive`` for a peer whose process ``watch`` names.
+
+    ``watch`` (a :class:`ProcessIdentity` or :class:`ProcessWatch`; None when the backend
+    does not check this peer's process, e.g. another host or our own process) decides when
+    it can: gone means every thread of the peer gone (:meth:`ProcessIdentity.has_exited`),
+    not only its main one, since a thread may still be copying into our memory. When it
+    cannot tell, ``otherwise()`` answers: what the backend knows by other means (its
+    transport reported the peer dead, or the pid check its data path uses)."""
+    exited = watch.has_exited() if watch is not None else None
+    return otherwise() if exited is None else not exited

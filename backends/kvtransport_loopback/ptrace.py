@@ -100,10 +100,9 @@ PROCESS_SLOT = PtracerSlot()
 class PtracerPolicy:
     """Decides which process this one names as its ptracer; thread-safe.
 
-    ``scope`` is the Yama scope read once at open; ``prctl`` (default: this module's
-    :func:`set_ptracer`, looked up at call time) is the seam the tests replace to observe
-    decisions on kernels without Yama; ``slot`` is the process's ptracer slot, shared by
-    every agent of the process.
+    ``scope`` is the Yama scope read once at open; ``prctl`` names the ptracer (default:
+    this module's :func:`set_ptracer`, looked up at call time); ``slot`` is the process's
+    ptracer slot, shared by every agent of the process.
     """
 
     def __init__(self, scope: int | None, mode: str = "peer",

@@ -5,10 +5,11 @@ One Mooncake ``TransferEngine`` per agent, initialised with the peer-to-peer han
 own RPC port and is named by the session id ``host:port``), TCP or RDMA. The parts:
 
 * :mod:`.probe` — can it run here, and why not;
-* :mod:`.options` — backend options, strictly checked;
-* :mod:`.wire` — the agent blob (session id, scratch buffer, process identity), msgspec;
-* :mod:`.transfers` — chunked batch READ/WRITE, completion, quiescence, peer liveness;
-* :mod:`._abi` — the non-blocking batch status calls the Python binding lacks;
+* :mod:`.options` — backend options, declared (``kvtransport.options_schema``);
+* :mod:`.wire` — the agent blob (session id, scratch buffer), in the core's envelope;
+* :mod:`.peers` — connections: reachability, the table by name, peer liveness;
+* :mod:`.datapath` — chunked batch READ/WRITE, completion, quiescence;
+* :mod:`.abi` — the non-blocking batch status calls the Python binding lacks;
 * :mod:`.device` — whether the loaded engine registers GPU memory (its CUDA build), and where;
 * :mod:`.notify` — kvtransport notifications carried by Mooncake's own notifications.
 
@@ -24,14 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from kvtransport.errors import (
-    BackendUnavailableError,
-    IncompatiblePeerError,
-    InvalidSegmentsError,
-    NotificationError,
-)
+from kvtransport.errors import BackendUnavailableError, InvalidSegmentsError, NotificationError
 from kvtransport.notify import new_notification_key
-from kvtransport.process_identity import ProcessIdentity
 from kvtransport.spi import (
     Availability,
     Backend,
@@ -47,8 +42,9 @@ from . import device as D
 from . import notify as N
 from . import probe as P
 from . import wire
+from .datapath import DataPath, Xfer
 from .options import MooncakeOptions, parse_options
-from .transfers import Conn, DataPath, Job
+from .peers import Conn, Peers
 
 
 class MooncakeBackend(Backend):
@@ -104,12 +100,11 @@ class MooncakeBackend(Backend):
         self._scratch_addr = int(self._scratch.ctypes.data)
         if self._engine.register_memory(self._scratch_addr, self._scratch.nbytes) != 0:
             raise BackendUnavailableError(self.name, "Mooncake refused to register an 8-byte buffer")
-        self._ident = ProcessIdentity.current()
         self._notify_key = new_notification_key()
         self._inbox = N.Inbox(self._notify_key, agent_name)
         self._notifier = N.Notifier(self._engine, self._me, agent_name, self._scratch_addr, self.signal_progress)
         self._data = DataPath(self._engine, self.opts, self._notifier, agent_name)
-        self._by_name: dict[str, Conn] = {}
+        self._peers = Peers(self._engine, self._scratch_addr, o.protocol, self._data.drop)
         #: Mooncake registrations: base address -> (length, ids of the regions using it).
         self._mc_buffers: dict[int, tuple[int, set[int]]] = {}
         self._region_buffer: dict[int, int] = {}  # region id -> base address of its buffer
@@ -153,46 +148,29 @@ class MooncakeBackend(Backend):
 
     # -- peers ----------------------------------------------------------------------------
     def export(self) -> bytes:
-        i = self._ident
-        return wire.encode(wire.Export(wire.WIRE_VERSION, self.session, self.opts.protocol, self._scratch_addr,
-                                       i.pid, i.start_time, i.boot_id, i.pid_ns, self._notify_key))
+        return wire.CODEC.encode(wire.CODEC.seal(session=self.session, protocol=self.opts.protocol,
+                                                 scratch_addr=self._scratch_addr, notify_key=self._notify_key))
 
     def connect(self, peer_name: str, blob: bytes, regions: Sequence[RemoteRegion]) -> Conn:
-        exp = wire.decode(peer_name, blob, self.opts.protocol)
-        # Opens the peer's segment (hand-shake) now rather than in the first post, and
-        # proves the data path: a 1-byte READ of the peer's scratch buffer.
-        rc = self._engine.batch_transfer_sync_read(exp.session, [self._scratch_addr], [exp.scratch_addr], [1])
-        if rc != 0:
-            raise IncompatiblePeerError(f"peer {peer_name!r} is not reachable over Mooncake at {exp.session} "
-                                        f"({self.opts.protocol}); rc={rc}")
-        conn = Conn(peer_name, exp)
-        old = self._by_name.get(peer_name)
-        if old is not None:
-            self._data.drop(old, f"connection to {peer_name!r} replaced by a new connect")
-        self._by_name[peer_name] = conn
-        return conn
+        return self._peers.connect(peer_name, blob)
 
     def disconnect(self, peer: Conn) -> None:
-        self._data.drop(peer, f"peer {peer.name!r} disconnected")
-        if self._by_name.get(peer.name) is peer:
-            del self._by_name[peer.name]
+        self._peers.disconnect(peer)
 
     def peer_alive(self, peer: Conn) -> bool | None:
-        # gone = every thread of it gone (ProcessIdentity.has_exited), not only its main one
-        exited = peer.ident.has_exited() if peer.watch else None
-        return None if exited is None else not exited
+        return self._peers.peer_alive(peer)
 
     # -- data path ------------------------------------------------------------------------
-    def post(self, req: PostRequest) -> Job:
+    def post(self, req: PostRequest) -> Xfer:
         return self._data.post(req, req.peer)
 
-    def poll(self, handle: Job) -> PollResult:
+    def poll(self, handle: Xfer) -> PollResult:
         return self._data.poll(handle)
 
-    def cancel(self, handle: Job) -> bool:
+    def cancel(self, handle: Xfer) -> bool:
         return self._data.cancel(handle)
 
-    def quiesced(self, handle: Job) -> bool:
+    def quiesced(self, handle: Xfer) -> bool:
         return self._data.quiesced(handle)
 
     # -- notifications --------------------------------------------------------------------
@@ -211,9 +189,7 @@ class MooncakeBackend(Backend):
         if self._closed:
             return
         self._closed = True
-        for conn in list(self._by_name.values()):
-            self._data.drop(conn, "agent closed")
-        self._by_name.clear()
+        self._peers.close("agent closed")
         if self._notifier.close():
             # Destroying the engine stops its threads and closes its ports. Not while the
             # notifier may still be inside a call on it.
@@ -225,4 +201,4 @@ class MooncakeBackend(Backend):
         return {"transport": f"mooncake-{self.opts.protocol}", "session": self.session,
                 "hostname": self.opts.hostname, "device_name": self.opts.device_name,
                 "cuda_build": self._cuda,
-                "peers": sorted(self._by_name), "notification_refusals": self._inbox.refusals}
+                "peers": sorted(self._peers.by_name), "notification_refusals": self._inbox.refusals}

@@ -14,13 +14,37 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtransport.errors import BackendOptionError
+from kvtransport.options_schema import Option, OptionsSchema, integer, number, one_of, text
 
-KNOWN = ("protocol", "device_name", "hostname", "max_inflight_segments", "chunk_segments",
-         "liveness_interval_s")
 PROTOCOLS = ("tcp", "rdma")
 _HOST_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
-_DEVICES_RE = re.compile(r"^[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*$")
+_DEVICES_RE = r"^[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*$"
+
+
+def _host(v: Any) -> str:
+    """an IP address or host name peers can reach (no port)"""
+    if isinstance(v, str):
+        try:
+            ipaddress.ip_address(v)
+            return v
+        except ValueError:
+            if _HOST_RE.match(v):
+                return v
+    raise ValueError("an IP address or host name peers can reach (no port)")
+
+
+#: Every option, its default and its check; chunk against in-flight cap in :func:`parse_options`.
+SCHEMA = OptionsSchema(
+    "mooncake",
+    Option("protocol", "tcp", one_of(*PROTOCOLS)),
+    Option("device_name", "", text(_DEVICES_RE, "a comma-separated list of RDMA device names such as 'mlx5_0', "
+                                                "or '' for all", empty=True)),
+    Option("hostname", "127.0.0.1", _host),
+    Option("max_inflight_segments", 1024, integer(1, 65535)),
+    Option("chunk_segments", None, integer(1, 65535, optional=True)),  # default: min(512, max_inflight_segments)
+    Option("liveness_interval_s", 0.05, number(gt=0), check_default=True),
+)
+KNOWN = SCHEMA.known
 
 
 @dataclass(frozen=True)
@@ -41,44 +65,11 @@ class MooncakeOptions:
     liveness_interval_s: float = 0.05
 
 
-def _err(msg: str) -> BackendOptionError:
-    return BackendOptionError(f"mooncake backend: {msg}")
-
-
-def _int(options: Mapping[str, Any], key: str, default: int, lo: int, hi: int) -> int:
-    v = options.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise _err(f"{key} must be an integer from {lo} to {hi}, got {v!r}")
-    return v
-
-
-def _valid_host(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        return bool(_HOST_RE.match(host))
-
-
 def parse_options(options: Mapping[str, Any]) -> MooncakeOptions:
-    unknown = sorted(set(options) - set(KNOWN))
-    if unknown:
-        raise _err(f"unknown option(s) {unknown}; known options are {list(KNOWN)}")
-    protocol = options.get("protocol", "tcp")
-    if protocol not in PROTOCOLS:
-        raise _err(f"protocol must be one of {list(PROTOCOLS)}, got {protocol!r}")
-    device = options.get("device_name", "")
-    if not isinstance(device, str) or (device and not _DEVICES_RE.match(device)):
-        raise _err(f"device_name must be a comma-separated list of RDMA device names such as "
-                   f"'mlx5_0', or '' for all, got {device!r}")
-    host = options.get("hostname", "127.0.0.1")
-    if not isinstance(host, str) or not _valid_host(host):
-        raise _err(f"hostname must be an IP address or host name peers can reach (no port), got {host!r}")
-    inflight = _int(options, "max_inflight_segments", 1024, 1, 65535)
-    chunk = _int(options, "chunk_segments", min(512, inflight), 1, 65535)
+    """The checked options; unknown or ill-typed ones raise ``BackendOptionError``."""
+    o = SCHEMA.parse(options)
+    inflight = o["max_inflight_segments"]
+    chunk = min(512, inflight) if o["chunk_segments"] is None else o["chunk_segments"]
     if chunk > inflight:
-        raise _err(f"chunk_segments ({chunk}) must not exceed max_inflight_segments ({inflight})")
-    live = options.get("liveness_interval_s", 0.05)
-    if isinstance(live, bool) or not isinstance(live, (int, float)) or not live > 0:
-        raise _err(f"liveness_interval_s must be a number > 0, got {live!r}")
-    return MooncakeOptions(protocol, device, host, inflight, chunk, float(live))
+        raise SCHEMA.error(f"chunk_segments ({chunk}) must not exceed max_inflight_segments ({inflight})")
+    return MooncakeOptions(o["protocol"], o["device_name"], o["hostname"], inflight, chunk, o["liveness_interval_s"])

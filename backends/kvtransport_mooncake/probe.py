@@ -7,7 +7,7 @@ Checked in order, each with its own reason and install hint:
 2. ``mooncake.engine`` loads: it links system libraries the wheel does not bundle --
    ``libibverbs.so.1`` (even for the TCP transport), ``libnuma.so.1``, ``libcurl.so.4`` -- so a
    host without one fails here with the loader's message, mapped to the apt package;
-3. ``engine.so`` exports the C++ status entry points this backend polls with (``_abi``);
+3. ``engine.so`` exports the C++ status entry points this backend polls with (``abi``);
 4. a Transfer Engine initialises with the peer-to-peer hand-shake on 127.0.0.1 over TCP
    (it binds two free ports and releases them). Done once per process and cached.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 from kvtransport.spi import Availability
 
-from . import _abi
+from . import abi
 
 PIP_HINT = "pip install 'kvtransport[mooncake]'  (installs mooncake-transfer-engine-non-cuda)"
 #: System libraries ``mooncake/engine.so`` links (not bundled in the wheel) -> Debian/Ubuntu
@@ -57,7 +57,7 @@ def probe() -> Availability:
         if "shared object" in text:
             return Availability(False, f"mooncake.engine cannot load a system library: {text}", APT_ALL)
         return Availability(False, f"mooncake.engine cannot be imported: {text}", PIP_HINT)
-    why = _abi.check()
+    why = abi.check()
     if why:
         return Availability(False, why, "install mooncake-transfer-engine-non-cuda 0.3.13 (the version tested)")
     try:

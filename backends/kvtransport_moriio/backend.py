@@ -23,8 +23,11 @@ The ``mori.io`` module is taken through a seam (the ``mori_module`` option, or
 against a recording *fake* of the mori surface. The fake proves only the glue; the
 hardware tests and ``bench/moriio_validate.py`` prove the backend.
 
-Layout: ``loader.py`` (where mori.io comes from), ``peers.py`` (connections),
-``datapath.py`` (posting and status), this module (lifetime, memory, notifications).
+Layout: the backend skeleton's ``options.py`` (the options, declared), ``probe.py``
+(requirements), ``wire.py`` (the exported blob), ``peers.py`` (connections) and
+``datapath.py`` (posting and status), beside them ``loader.py`` (where mori.io comes from),
+``grouping.py`` (batches per region pair) and ``status.py`` (mori statuses to poll
+results); this module is the facade (lifetime, memory, notifications).
 
 Why not mori's own notifications: with ``enable_notification`` the *target* engine can
 ask ``pop_inbound_transfer_status(remote_key, transfer_uid)`` whether an inbound transfer
@@ -42,26 +45,35 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import zmq
 
 from kvtransport.errors import BackendOptionError, BackendUnavailableError, NotificationError
-from kvtransport.notify import NotificationReceiver, NotificationSender, new_notification_key
-from kvtransport.spi import Availability, Backend, Capabilities, LocalRegion, Scope
+from kvtransport.notify import NotificationReceiver, new_notification_key
+from kvtransport.spi import (
+    Availability,
+    Backend,
+    Capabilities,
+    LocalRegion,
+    PollResult,
+    PostRequest,
+    RemoteRegion,
+    Scope,
+)
 
 from . import probe as _probe
-from .datapath import DataPath
+from .datapath import DataPath, Xfer
 from .loader import MORI_SURFACE, XGMI_ONLY_ENV, current_override, import_mori_io, mori_version, using_mori_module
 from .options import RDMA_KNOBS, MoriioOptions, parse_options
-from .peers import PeerConnection, PeerManagement
+from .peers import Conn, Peers
 from .wire import WIRE_VERSION
 
 __all__ = ["MoriioBackend", "using_mori_module", "MORI_SURFACE", "XGMI_ONLY_ENV"]
 
 
-class MoriioBackend(PeerManagement, DataPath, Backend):
+class MoriioBackend(Backend):
     """kvtransport over ``mori.io`` (RDMA between nodes, XGMI inside one node)."""
 
     name: ClassVar[str] = "moriio"
@@ -107,11 +119,6 @@ class MoriioBackend(PeerManagement, DataPath, Backend):
         self._io = io
         self._is_fake = bool(getattr(io, "IS_FAKE", False))
         self._local: dict[int, Any] = {}  # region id -> MemoryDesc
-        self._peers: dict[str, PeerConnection] = {}  # current connection per peer name
-        self._all_peers: set[PeerConnection] = set()  # including replaced ones with transfers in flight
-        self._remote_engines: dict[str, tuple[Any, int]] = {}  # engine key -> (desc, refcount)
-        self._outboxes: dict[str, NotificationSender] = {}  # peer receiver address -> sender
-        self._outbox_keys: dict[str, bytes] = {}  # peer receiver address -> its key
         self._stats = {
             "batches_posted": 0,
             "bytes_posted": 0,
@@ -139,16 +146,18 @@ class MoriioBackend(PeerManagement, DataPath, Backend):
                 _probe.INSTALL_HINT,
             ) from exc
         self._engine_key = str(self._desc.key)
-        self._zctx = zmq.Context.instance()
-        self._notify_key = new_notification_key()
+        zctx = zmq.Context.instance()
+        notify_key = new_notification_key()
         try:
-            self._inbox = NotificationReceiver(self._zctx, f"tcp://{self._opts.host}", self._notify_key,
-                                               name=agent_name)
+            self._inbox = NotificationReceiver(zctx, f"tcp://{self._opts.host}", notify_key, name=agent_name)
         except zmq.ZMQError as exc:
             raise BackendOptionError(
                 f"moriio cannot bind its notification socket on host {self._opts.host!r}: {exc}; "
                 "pass host=<an address of this node>"
             ) from exc
+        self._peers = Peers(io, self._engine, self._engine_key, self._desc, self._opts.transport, zctx,
+                            self._inbox.address, notify_key, agent_name)
+        self._data = DataPath(self._engine, self._local, self._peers, self._stats, agent_name)
 
     def _make_backend_config(self) -> Any:
         io = self._io
@@ -167,22 +176,13 @@ class MoriioBackend(PeerManagement, DataPath, Backend):
     def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
-        for peer in list(self._all_peers):
-            self._fail_inflight(peer, f"agent {self.agent_name!r} closed")
-        for key, (desc, _) in list(self._remote_engines.items()):
-            with contextlib.suppress(Exception):
-                self._engine.deregister_remote_engine(desc)
-        self._remote_engines.clear()
+        self._closed = self._data.closed = True
+        self._peers.close(f"agent {self.agent_name!r} closed")
         for md in self._local.values():
             with contextlib.suppress(Exception):
                 self._engine.deregister_memory(md)
         self._local.clear()
-        for box in self._outboxes.values():
-            box.close()
-        self._outboxes.clear()
         self._inbox.close()
-        self._peers.clear()
 
     # ------------------------------------------------------------------ memory
     def register(self, region: LocalRegion) -> bytes:
@@ -206,10 +206,36 @@ class MoriioBackend(PeerManagement, DataPath, Backend):
         md = self._local.pop(region.id, None)
         if md is None:
             return
-        for peer in self._all_peers:
+        for peer in self._peers.all:
             for key in [k for k in peer.sessions if k[0] == region.id]:
                 del peer.sessions[key]
         self._engine.deregister_memory(md)
+
+    # ------------------------------------------------------------------ peers
+    def export(self) -> bytes:
+        return self._peers.export()
+
+    def connect(self, peer_name: str, blob: bytes, regions: Sequence[RemoteRegion]) -> Conn:
+        return self._peers.connect(peer_name, blob, regions)
+
+    def disconnect(self, peer: Conn) -> None:
+        self._peers.disconnect(peer)
+
+    # ------------------------------------------------------------------ data path
+    def post(self, req: PostRequest) -> Xfer:
+        return self._data.post(req)
+
+    def poll(self, handle: Xfer) -> PollResult:
+        return self._data.poll(handle)
+
+    def cancel(self, handle: Xfer) -> bool:
+        return self._data.cancel(handle)
+
+    def quiesced(self, handle: Xfer) -> bool:
+        return self._data.quiesced(handle)
+
+    def release(self, handle: Xfer) -> None:
+        self._data.release(handle)
 
     # ------------------------------------------------------------------ notifications
     def notifications(self) -> list[tuple[str, bytes]]:
@@ -217,8 +243,8 @@ class MoriioBackend(PeerManagement, DataPath, Backend):
         self._stats["notifications_received"] += len(msgs)
         return msgs
 
-    def send_notification(self, peer: Any, payload: bytes) -> None:
-        box = self._outboxes.get(peer.notify_address) if peer.current else None
+    def send_notification(self, peer: Conn, payload: bytes) -> None:
+        box = self._peers.outboxes.get(peer.notify_address) if peer.current else None
         if box is None:
             raise NotificationError(f"peer {peer.name!r} is no longer connected to this moriio agent")
         box.send(payload)

@@ -10,16 +10,17 @@ Connection state comes from ``peers.py``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from kvtransport.notify import NotificationError
 from kvtransport.spi import Op, PollResult, PollState, PostRequest
 
 from .grouping import group_by_region_pair
-from .peers import MoriTransfer, PeerConnection
+from .peers import Conn, Peers
 from .status import all_settled, classify
 
-__all__ = ["DataPath"]
+__all__ = ["DataPath", "Xfer"]
 
 # Peer-failure reasons that concern a local port/device rather than the attributed peer:
 # they fail what is in flight but do not condemn the connection (a port can come back).
@@ -27,25 +28,33 @@ _LOCAL_DEVICE_REASONS = {"LOCAL_PORT_DOWN", "LOCAL_DEVICE_FATAL", "PORT_DOWN", "
 _MAX_EVENTS_PER_POLL = 1024
 
 
+@dataclass(eq=False)
+class Xfer:
+    """Backend handle of one posted transfer: one mori status per region-pair batch."""
+
+    transfer_id: int
+    op: Op
+    peer: Conn
+    statuses: list[Any]
+    notify: bytes | None
+    nbytes: int
+    forced: str | None = None  # failure decided by us (peer failure, disconnect, close)
+    final: PollResult | None = None
+
+
 class DataPath:
-    """post / poll / cancel / quiesced / release of :class:`~kvtransport_moriio.backend.MoriioBackend`."""
+    """post / poll / cancel / quiesced / release of one moriio agent, and peer failures."""
 
-    # State owned by the backend (see MoriioBackend.__init__).
-    agent_name: str
-    _closed: bool
-    _engine: Any
-    _local: dict[int, Any]
-    _all_peers: set[PeerConnection]
-    _outboxes: dict[str, Any]
-    _stats: dict[str, int]
+    def __init__(self, engine: Any, local: dict[int, Any], peers: Peers, stats: dict[str, int],
+                 agent_name: str) -> None:
+        self._engine = engine
+        self._local = local  # region id -> MemoryDesc (the backend's registrations)
+        self._peers = peers
+        self._stats = stats
+        self.agent_name = agent_name
+        self.closed = False
 
-    def _fail_inflight(self, peer: PeerConnection, reason: str) -> None:
-        """Fail ``peer``'s unfinished transfers (reported FAILED, quiesced once mori settles)."""
-        for t in peer.inflight:
-            if t.final is None and t.forced is None:
-                t.forced = reason
-
-    def _session(self, peer: PeerConnection, local_id: int, remote_id: int) -> Any:
+    def _session(self, peer: Conn, local_id: int, remote_id: int) -> Any:
         key = (local_id, remote_id)
         sess = peer.sessions.get(key)
         if sess is None:
@@ -60,8 +69,8 @@ class DataPath:
         return sess
 
     def post(self, req: PostRequest) -> Any:
-        peer: PeerConnection = req.peer
-        if self._closed:
+        peer: Conn = req.peer
+        if self.closed:
             raise RuntimeError(f"agent {self.agent_name!r} is closed")
         if not peer.current:
             raise RuntimeError(f"peer {peer.name!r} is no longer connected to this moriio agent")
@@ -71,7 +80,7 @@ class DataPath:
         groups = group_by_region_pair(
             req.local_region, req.remote_region, req.local_offset, req.remote_offset, req.length
         )
-        handle = MoriTransfer(req.transfer_id, req.op, peer, [], req.notify, req.nbytes)
+        handle = Xfer(req.transfer_id, req.op, peer, [], req.notify, req.nbytes)
         for g in groups:
             try:
                 sess = self._session(peer, g.local_region, g.remote_region)
@@ -91,7 +100,7 @@ class DataPath:
         return handle
 
     def poll(self, handle: Any) -> PollResult:
-        t: MoriTransfer = handle
+        t: Xfer = handle
         if t.final is not None:
             return t.final
         self._drain_peer_failures()
@@ -103,7 +112,7 @@ class DataPath:
         res = classify(t.statuses, t.peer.name)
         if res.state is PollState.DONE and t.notify is not None:
             try:
-                self._outboxes[t.peer.notify_address].send(t.notify)
+                self._peers.outboxes[t.peer.notify_address].send(t.notify)
                 self._stats["notifications_sent"] += 1
             except (NotificationError, KeyError) as exc:
                 res = PollResult.failed(f"data moved but the notification to {t.peer.name!r} failed: {exc}")
@@ -113,17 +122,17 @@ class DataPath:
             self._finalize(t, res)
         return res
 
-    def _finalize(self, t: MoriTransfer, res: PollResult) -> None:
+    def _finalize(self, t: Xfer, res: PollResult) -> None:
         """Terminal and quiesced: nothing can happen to ``t`` any more; stop tracking it."""
         t.final = res
         t.peer.inflight.discard(t)
         if not t.peer.current and not t.peer.inflight:
-            self._all_peers.discard(t.peer)
+            self._peers.all.discard(t.peer)
 
     def cancel(self, handle: Any) -> bool:
         # mori has no per-transfer cancel: a posted RDMA batch runs to completion or
         # error. Nothing more can land once every batch has settled.
-        t: MoriTransfer = handle
+        t: Xfer = handle
         if t.forced is None and t.final is None:
             t.forced = "cancelled by the core"
         return all_settled(t.statuses)
@@ -132,10 +141,10 @@ class DataPath:
         return all_settled(handle.statuses)
 
     def release(self, handle: Any) -> None:
-        t: MoriTransfer = handle
+        t: Xfer = handle
         t.peer.inflight.discard(t)
         if not t.peer.current and not t.peer.inflight:
-            self._all_peers.discard(t.peer)
+            self._peers.all.discard(t.peer)
 
     # ------------------------------------------------------------------ peer failure
     def _drain_peer_failures(self) -> None:
@@ -152,10 +161,10 @@ class DataPath:
             where = f" on {ev.device_name}" if getattr(ev, "device_name", "") else ""
             text = f"mori peer failure {reason_name}{where}: {ev.detail or 'no detail'}"
             if key:
-                targets = [p for p in self._all_peers if p.engine_key == key]
+                targets = [p for p in self._peers.all if p.engine_key == key]
             else:  # device-wide event: every peer reached through this engine is affected
-                targets = list(self._all_peers)
+                targets = list(self._peers.all)
             for p in targets:
-                self._fail_inflight(p, f"{text} (peer {p.name!r})")
+                p.fail(f"{text} (peer {p.name!r})")
                 if key and reason_name not in _LOCAL_DEVICE_REASONS:
                     p.dead = text

@@ -16,9 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtransport.errors import BackendOptionError
+from kvtransport.options_schema import Option, OptionsSchema, anything, boolean, integer, one_of, text
 
-__all__ = ["RDMA_KNOBS", "XGMI_KNOBS", "MoriioOptions", "parse_options", "default_host"]
+__all__ = ["RDMA_KNOBS", "SCHEMA", "XGMI_KNOBS", "MoriioOptions", "parse_options", "default_host"]
 
 #: option name -> (type, minimum allowed value or None). Names equal RdmaBackendConfig fields.
 RDMA_KNOBS: dict[str, tuple[type, int | None]] = {
@@ -61,64 +61,46 @@ class MoriioOptions:
     mori_module: Any = None
 
 
-def _check_int(name: str, value: Any, minimum: int | None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BackendOptionError(f"moriio option {name!r} must be an int, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise BackendOptionError(f"moriio option {name!r} must be >= {minimum}, got {value}")
-    return value
+def _knob(typ: type, minimum: int | None):
+    """The check of one mori config knob: an optional bool, or an optional int >= minimum."""
+    if typ is bool:
+        return lambda v: v if v is None else boolean(v)
+    return integer(minimum, optional=True)
+
+
+#: Every option, its default and its check; a None value leaves the option at its default.
+SCHEMA = OptionsSchema(
+    "moriio",
+    Option("transport", None, one_of(None, *_TRANSPORTS)),
+    Option("host", None, text(what="a non-empty address string", optional=True)),
+    Option("port", None, integer(0, 65535, optional=True)),
+    Option("engine_key", None, text(optional=True)),
+    Option("poll_cq_mode", None, one_of(None, *_POLL_MODES)),
+    Option("mori_module", None, anything),  # the mori.io module to use (None: import the real one)
+    *(Option(name, None, _knob(typ, minimum)) for name, (typ, minimum) in RDMA_KNOBS.items()),
+    *(Option(name, None, integer(1, optional=True)) for name in XGMI_KNOBS),
+)
 
 
 def parse_options(options: Mapping[str, Any]) -> MoriioOptions:
     """Validate ``options``; unknown names and bad values raise ``BackendOptionError``."""
+    o = SCHEMA.parse(options)
     opts = MoriioOptions()
-    known = {"transport", "host", "port", "engine_key", "poll_cq_mode", "mori_module"}
-    known |= set(RDMA_KNOBS) | set(XGMI_KNOBS)
-    for name, value in options.items():
-        if name not in known:
-            raise BackendOptionError(
-                f"unknown moriio option {name!r}; valid options: {', '.join(sorted(known))}"
-            )
-        if value is None:
-            continue
-        if name == "transport":
-            if value not in _TRANSPORTS:
-                raise BackendOptionError(f"moriio option 'transport' must be one of {_TRANSPORTS}, got {value!r}")
-            opts.transport = value
-        elif name == "host":
-            if not isinstance(value, str) or not value:
-                raise BackendOptionError(f"moriio option 'host' must be a non-empty address string, got {value!r}")
-            opts.host = value
-        elif name == "port":
-            opts.port = _check_int(name, value, 0)
-            if opts.port > 65535:
-                raise BackendOptionError(f"moriio option 'port' must be <= 65535, got {value}")
-        elif name == "engine_key":
-            if not isinstance(value, str) or not value:
-                raise BackendOptionError(f"moriio option 'engine_key' must be a non-empty string, got {value!r}")
-            opts.engine_key = value
-        elif name == "poll_cq_mode":
-            if value not in _POLL_MODES:
-                raise BackendOptionError(f"moriio option 'poll_cq_mode' must be one of {_POLL_MODES}, got {value!r}")
-            opts.poll_cq_mode = value
-        elif name == "mori_module":
-            opts.mori_module = value
-        elif name in RDMA_KNOBS:
-            typ, minimum = RDMA_KNOBS[name]
-            if typ is bool:
-                if not isinstance(value, bool):
-                    raise BackendOptionError(f"moriio option {name!r} must be a bool, got {value!r}")
-                opts.rdma[name] = value
-            else:
-                opts.rdma[name] = _check_int(name, value, minimum)
-        else:  # XGMI knob
-            opts.xgmi[XGMI_KNOBS[name]] = _check_int(name, value, 1)
+    if o["transport"] is not None:
+        opts.transport = o["transport"]
+    if o["host"] is not None:
+        opts.host = o["host"]
+    if o["port"] is not None:
+        opts.port = o["port"]
+    opts.engine_key, opts.poll_cq_mode, opts.mori_module = o["engine_key"], o["poll_cq_mode"], o["mori_module"]
+    opts.rdma = {k: o[k] for k in RDMA_KNOBS if o[k] is not None}
+    opts.xgmi = {f: o[k] for k, f in XGMI_KNOBS.items() if o[k] is not None}
     if opts.transport == "xgmi" and (opts.rdma or opts.poll_cq_mode):
-        raise BackendOptionError(
-            "moriio RDMA options were given with transport='xgmi': "
+        raise SCHEMA.error(
+            "RDMA options were given with transport='xgmi': "
             f"{', '.join(sorted(opts.rdma) + (['poll_cq_mode'] if opts.poll_cq_mode else []))}; "
             "drop them or use transport='rdma'"
         )
     if opts.transport == "rdma" and opts.xgmi:
-        raise BackendOptionError("moriio xgmi_* options need transport='xgmi'")
+        raise SCHEMA.error("xgmi_* options need transport='xgmi'")
     return opts

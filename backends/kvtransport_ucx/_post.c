@@ -11,7 +11,7 @@
  * ucp_get_nbx and ucp_request_free from the libucp it already loaded, so this library
  * always calls the same UCX as the rest of the backend. It is built as a plain shared
  * library (setuptools Extension, optional: without a compiler the backend posts from
- * Python, kvtransport_ucx/_native.py) and loaded with ctypes; it never includes Python.h.
+ * Python, kvtransport_ucx/native.py) and loaded with ctypes; it never includes Python.h.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -109,7 +109,7 @@ static void kvt_progress_while(kvt_progress_fn progress, kvt_check_fn check, voi
     }
 }
 
-/* The libucp functions and constants one share needs (filled once per agent by _native.py). */
+/* The libucp functions and constants one share needs (filled once per agent by native.py). */
 struct kvt_ucp {
     kvt_rma_fn get, put;
     kvt_free_fn release;

@@ -1,12 +1,12 @@
-"""The ``ucx`` backend: one-sided RMA through UCX's ucp API (bound in ``_ucp``).
+"""The ``ucx`` backend: one-sided RMA through UCX's ucp API (bound in ``ucp``).
 
 This class is a facade over four parts, each with one job:
 
-* :mod:`._worker` — the UCP context, its workers ("lanes") and their progress threads;
-* :mod:`._memory` — local registrations (memory handles, packed remote keys);
-* :mod:`._peers` — connections: the exported blob, endpoints and remote keys per lane, peer
+* :mod:`.worker` — the UCP context, its workers ("lanes") and their progress threads;
+* :mod:`.memory` — local registrations (memory handles, packed remote keys);
+* :mod:`.peers` — connections: the exported blob, endpoints and remote keys per lane, peer
   failure (UCX endpoint errors, the same-host pid check), asynchronous endpoint close;
-* :mod:`._transfers` — posting and completion: lane split, puts/gets, flushes,
+* :mod:`.datapath` — posting and completion: lane split, puts/gets, flushes,
   notification, poll/cancel/quiesced, standalone notifications.
 
 Locks: one state lock (``UcpWorker.lock``) guards every table of the parts above; each lane
@@ -33,15 +33,13 @@ from kvtransport.spi import (
     Scope,
 )
 
-from . import _ucp as U
-from ._memory import LocalMemory
-from ._options import UcxOptions, parse_options
-from ._peers import Conn, Peers
-from ._transfers import DataPath, Xfer
-from ._worker import UcpWorker
-
-_INSTALL_HINT = "pip install 'kvtransport[ucx]'  (installs libucx-cu12)"
-
+from . import probe
+from . import ucp as U
+from .memory import LocalMemory
+from .options import UcxOptions, parse_options
+from .peers import Conn, Peers
+from .datapath import DataPath, Xfer
+from .worker import UcpWorker
 
 class UcxBackend(Backend):
     name = "ucx"
@@ -51,7 +49,7 @@ class UcxBackend(Backend):
         write=True,
         notify=True,
         # cuda / rocm where the loaded UCX has the device transports; refused with the
-        # reason at register where it has not (_memory.LocalMemory.memory_type)
+        # reason at register where it has not (memory.LocalMemory.memory_type)
         memory_kinds=frozenset({"cpu", "cuda", "rocm"}),
         scopes=frozenset({Scope.SAME_PROCESS, Scope.SAME_HOST, Scope.CROSS_HOST}),
         detects_peer_failure=True,
@@ -68,14 +66,7 @@ class UcxBackend(Backend):
 
     @classmethod
     def probe(cls) -> Availability:
-        try:
-            lib = U.lib()
-            major, minor = (int(x) for x in lib.version().split(".")[:2])
-        except Exception as exc:
-            return Availability(False, f"cannot load libucp: {exc}", _INSTALL_HINT)
-        if (major, minor) < (1, 11):
-            return Availability(False, f"UCX {lib.version()} is too old (need >= 1.11)", _INSTALL_HINT)
-        return Availability(True)
+        return probe.probe()
 
     def __init__(self, agent_name: str, options: Mapping[str, Any]) -> None:
         super().__init__(agent_name, options)

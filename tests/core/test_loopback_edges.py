@@ -12,15 +12,15 @@ import subprocess
 import threading
 import time
 
-import msgspec
 import numpy as np
 import pytest
 
 import kvtransport_loopback.backend as lb
 from kvtransport import errors
-from kvtransport.process_identity import boot_id, process_start_time
+from kvtransport.process_identity import ProcessIdentity, boot_id, process_start_time
 from kvtransport.spi import Op, PollState, PostRequest
 from kvtransport_loopback import cma
+from kvtransport_loopback.wire import CODEC
 
 N = 1 << 16
 SHARED = np.zeros(N, dtype=np.uint8)  # made before any fork: at the same address in every child
@@ -36,8 +36,8 @@ def _request(op: Op, peer, local: np.ndarray, remote_addr: int, n: int) -> PostR
 
 
 def _blob(pid: int, tmp) -> bytes:
-    return msgspec.msgpack.encode(lb._Export(pid, process_start_time(pid), boot_id(),
-                                             f"ipc://{tmp}/unused.sock", b"k" * 32))
+    ident = ProcessIdentity(pid, process_start_time(pid), boot_id(), "")
+    return CODEC.encode(CODEC.seal(ident, notify_addr=f"ipc://{tmp}/unused.sock", notify_key=b"k" * 32))
 
 
 def _fork_filler(value: int, want_pid: int | None = None) -> tuple[int, int, int]:
@@ -86,7 +86,7 @@ def test_a_pid_recycled_between_post_and_copy_never_ends_done(tmp_path, op):
             peer_pid, _, _ = _fork_filler(0xAA)
             peer = be.connect("child", _blob(peer_pid, tmp_path), [])
             gate = threading.Event()
-            be._copiers.submit(gate.wait)  # the copy thread is busy with earlier work
+            be._data.copiers.submit(gate.wait)  # the copy thread is busy with earlier work
             local = np.full(N, 0x11, dtype=np.uint8)
             job = be.post(_request(op, peer, local, SHARED.ctypes.data, N))
             _reap(peer_pid)
@@ -129,12 +129,12 @@ def test_close_ends_a_transfer_whose_parts_are_still_queued(monkeypatch):
     src = np.arange(1 << 18, dtype=np.uint32).view(np.uint8)
     dst = np.zeros_like(src)
     gate = threading.Event()
-    be._copiers.submit(gate.wait)  # one copy thread busy
+    be._data.copiers.submit(gate.wait)  # one copy thread busy
     job = be.post(_request(Op.READ, peer, dst, src.ctypes.data, src.nbytes))  # two parts
     assert copying.wait(10) and job.parts_left == 2  # one part copying, one queued
     closer = threading.Thread(target=be.close)
     closer.start()
-    while not be._closed:  # close() has begun
+    while not be._data.closed:  # close() has begun
         time.sleep(0.001)
     gate.set()
     release.set()
@@ -198,9 +198,9 @@ def test_close_releases_the_peers_proc_descriptors(tmp_path):
 
 
 def _blob_of(ident, tmp, start_time: int | None = None, pid_ns: str | None = None) -> bytes:
-    return msgspec.msgpack.encode(lb._Export(
-        ident.pid, ident.start_time if start_time is None else start_time, ident.boot_id,
-        f"ipc://{tmp}/unused.sock", b"k" * 32, ident.pid_ns if pid_ns is None else pid_ns))
+    ident = ProcessIdentity(ident.pid, ident.start_time if start_time is None else start_time, ident.boot_id,
+                            ident.pid_ns if pid_ns is None else pid_ns)
+    return CODEC.encode(CODEC.seal(ident, notify_addr=f"ipc://{tmp}/unused.sock", notify_key=b"k" * 32))
 
 
 def test_a_peer_in_another_pid_namespace_is_refused(tmp_path):

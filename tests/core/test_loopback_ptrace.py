@@ -42,6 +42,7 @@ from kvtransport.metadata import decode_metadata
 from kvtransport.notify import CHANNEL, new_notification_key
 from kvtransport.process_identity import ProcessIdentity, boot_id, pid_namespace, process_start_time
 from kvtransport_loopback import cma
+from kvtransport_loopback.wire import CODEC
 
 TARGET = """
 import sys, numpy as np
@@ -190,7 +191,7 @@ def test_nothing_granted_at_open_and_unauthenticated_attach_grants_nothing(child
     with kvt.open("loopback", name="target-in-process") as target:
         assert calls == []  # opening an agent names no ptracer (it used to name ANY)
         assert target.describe()["ptrace_scope"] == 1
-        key = msgspec.msgpack.decode(decode_metadata(target.metadata()).blob)[4]
+        key = CODEC.decode(decode_metadata(target.metadata()).blob).notify_key
         ident = live.identity()
         body = msgspec.msgpack.encode((1, "attach", "forger", msgspec.msgpack.encode(
             [ident.pid, ident.start_time, ident.boot_id, ident.pid_ns])))

@@ -36,7 +36,7 @@ def exported_as_gpu_engine(metadata: bytes, backend: str) -> bytes:
     backend's agent on a GPU host exports it."""
     md = md_mod.decode_metadata(metadata)
     if backend == "nixl":
-        from kvtransport_nixl._peers import region_blob
+        from kvtransport_nixl.wire import region_blob
 
         def blob(r: md_mod.RegionDesc) -> bytes:
             return region_blob("VRAM", DEVICE)

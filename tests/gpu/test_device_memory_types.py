@@ -24,6 +24,7 @@ import pytest
 
 import kvtransport as kvt
 from kvtransport import errors
+from kvtransport.process_identity import ProcessIdentity
 from kvtransport.registry import available_backends
 from kvtransport.spi import LocalRegion, RemoteRegion
 
@@ -75,7 +76,7 @@ class FakeWorker:
 def _fake_local_memory(types: int, kinds_here: frozenset[str] = frozenset()):
     """``kinds_here``: the device kinds the (real) UCX would move here with its device
     transports selected; empty = a GPU-less host."""
-    from kvtransport_ucx import _memory, _ucp as U
+    from kvtransport_ucx import memory as _memory, ucp as U
 
     U.lib()  # status strings for errors
     ucp = FakeLibucp(types)
@@ -84,7 +85,7 @@ def _fake_local_memory(types: int, kinds_here: frozenset[str] = frozenset()):
 
 def test_ucx_maps_each_kind_with_its_ucs_memory_type_fake_libucp():
     pytest.importorskip("kvtransport_ucx")
-    from kvtransport_ucx._ucp import UCS_MEMORY_TYPE_CUDA, UCS_MEMORY_TYPE_HOST, UCS_MEMORY_TYPE_ROCM
+    from kvtransport_ucx.ucp import UCS_MEMORY_TYPE_CUDA, UCS_MEMORY_TYPE_HOST, UCS_MEMORY_TYPE_ROCM
 
     mem, ucp, U = _fake_local_memory((1 << UCS_MEMORY_TYPE_HOST) | (1 << UCS_MEMORY_TYPE_CUDA)
                                      | (1 << UCS_MEMORY_TYPE_ROCM))
@@ -110,7 +111,7 @@ def test_ucx_maps_each_kind_with_its_ucs_memory_type_fake_libucp():
 
 def test_ucx_refuses_a_kind_its_context_lacks_before_mapping_fake_libucp():
     pytest.importorskip("kvtransport_ucx")
-    from kvtransport_ucx._memory import UcxMemoryKindUnavailable
+    from kvtransport_ucx.memory import UcxMemoryKindUnavailable
 
     mem, ucp, _ = _fake_local_memory(1)  # host only: a UCX without CUDA / ROCm modules
     for kind in ("cuda", "rocm"):
@@ -125,7 +126,7 @@ def test_ucx_refusal_names_the_transport_list_when_ucx_has_cuda_here_fake_libucp
     """A context without CUDA on a host whose UCX moves CUDA (a GPU host, tls='tcp'): the
     refusal blames the transport list and names the fix, not the driver."""
     pytest.importorskip("kvtransport_ucx")
-    from kvtransport_ucx._memory import UcxDeviceTransportsExcluded, UcxMemoryKindUnavailable
+    from kvtransport_ucx.memory import UcxDeviceTransportsExcluded, UcxMemoryKindUnavailable
 
     mem, ucp, _ = _fake_local_memory(1, kinds_here=frozenset({"cuda"}))
     with pytest.raises(UcxDeviceTransportsExcluded) as ei:
@@ -205,12 +206,12 @@ def _nixl_with_fake_agent(monkeypatch):
     _usable("nixl")
     from kvtransport_nixl import backend as nb
 
-    monkeypatch.setattr(nb._probe, "has_gpu", lambda: True)  # as on a GPU host
+    monkeypatch.setattr(nb.P, "has_gpu", lambda: True)  # as on a GPU host
     a = kvt.open("nixl")
     be = a._backend
     real_nx = be._nx
     fake = FakeNixlAgent()
-    be._nx = fake
+    be._nx = be._data.nx = fake
     return a, be, fake, real_nx
 
 
@@ -223,7 +224,7 @@ def test_nixl_declares_cuda_only_where_a_gpu_and_vram_plugin_exist(monkeypatch):
         assert a.capabilities.memory_kinds == {"cpu"}
         with pytest.raises(errors.UnsupportedMemoryKindError, match="'nixl' cannot register 'cuda'"):
             a.register((UNMAPPED, 4096), kind="cuda", device=0)
-    monkeypatch.setattr(nb._probe, "has_gpu", lambda: True)
+    monkeypatch.setattr(nb.P, "has_gpu", lambda: True)
     with kvt.open("nixl") as a:  # NIXL's UCX plugin lists VRAM_SEG; with a GPU, cuda is offered
         assert a.capabilities.memory_kinds == {"cpu", "cuda"}
 
@@ -236,29 +237,31 @@ def test_nixl_cuda_regions_are_vram_on_their_device_fake_nixl_agent(monkeypatch)
         assert fake.calls == [("reg", [[UNMAPPED, 1 << 20, 3]], "VRAM"), ("reg", [[0x7000_0000, 4096, 0]], "DRAM")]
         assert cpu_blob == b"" and blob == (3).to_bytes(4, "little")  # the device travels to the peer
         # a peer's regions: device from the blob; descriptors of both sides name kind and device
-        from kvtransport_nixl._peers import Conn, Export
+        from kvtransport_nixl.peers import Conn
+        from kvtransport_nixl.wire import CODEC
 
-        exp = Export(1, "peer@kvt-0", b"", ["UCX"], 1, 1, "b", "n")
+        exp = CODEC.seal(ProcessIdentity(1, 1, "b", "n"), nixl_name="peer@kvt-0", nixl_md=b"", plugins=["UCX"])
         conn = Conn("peer", exp, [RemoteRegion(7, UNMAPPED, 1 << 20, "cuda", (5).to_bytes(4, "little")),
                                   RemoteRegion(8, UNMAPPED, 1 << 20, "cuda", (6).to_bytes(4, "little"))])
-        assert be._local_kind(np.array([11])) == ("VRAM", 3)
-        assert be._remote_kind(conn, np.array([7, 7])) == ("VRAM", 5)
+        assert be._data.local_kind(np.array([11])) == ("VRAM", 3)
+        assert be._data.remote_kind(conn, np.array([7, 7])) == ("VRAM", 5)
         with pytest.raises(errors.KVTransportError, match="one per side"):
-            be._remote_kind(conn, np.array([7, 8]))  # two devices in one NIXL transfer
+            be._data.remote_kind(conn, np.array([7, 8]))  # two devices in one NIXL transfer
         fake.calls.clear()
-        be._descs(np.array([UNMAPPED, UNMAPPED + 4096], np.uint64), np.array([4096, 4096], np.uint64), "VRAM", 5)
+        be._data.descs(np.array([UNMAPPED, UNMAPPED + 4096], np.uint64), np.array([4096, 4096], np.uint64), "VRAM", 5)
         assert fake.calls == [("xfer", [[UNMAPPED, 4096, 5], [UNMAPPED + 4096, 4096, 5]], "VRAM")]
     finally:
-        be._regs.clear()
-        be._nx = real_nx
+        be._data.regs.clear()
+        be._nx = be._data.nx = real_nx
         a.close()
 
 
 def test_nixl_refuses_a_peer_region_with_a_malformed_device_blob():
     _usable("nixl")
-    from kvtransport_nixl._peers import Conn, Export
+    from kvtransport_nixl.peers import Conn
+    from kvtransport_nixl.wire import CODEC
 
-    exp = Export(1, "peer@kvt-0", b"", ["UCX"], 1, 1, "b", "n")
+    exp = CODEC.seal(ProcessIdentity(1, 1, "b", "n"), nixl_name="peer@kvt-0", nixl_md=b"", plugins=["UCX"])
     for blob in (b"", b"\x01\x02"):
         with pytest.raises(errors.PeerMetadataError, match="malformed blob"):
             Conn("peer", exp, [RemoteRegion(7, UNMAPPED, 4096, "cuda", blob)])

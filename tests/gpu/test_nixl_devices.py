@@ -20,8 +20,8 @@ from kvtransport import errors
 from kvtransport.registry import available_backends
 
 pytest.importorskip("kvtransport_nixl")
-from kvtransport_nixl import _probe  # noqa: E402
-from kvtransport_nixl._options import parse_options  # noqa: E402
+from kvtransport_nixl import probe as _probe  # noqa: E402
+from kvtransport_nixl.options import parse_options  # noqa: E402
 
 CUDA_ERROR_NOT_INITIALIZED = 3
 NVML_ERROR_DRIVER_NOT_LOADED = 9
@@ -178,6 +178,6 @@ def test_device_memory_is_checked():
     ([{"DRAM_SEG", "VRAM_SEG"}, {"DRAM_SEG"}], True, "auto", {"cpu"}),  # one plugin without VRAM
 ])
 def test_local_memory_kinds_follow_plugins_gpu_and_option(mems, gpu, device_memory, kinds):
-    from kvtransport_nixl.backend import local_memory_kinds
+    from kvtransport_nixl.probe import local_memory_kinds
 
     assert local_memory_kinds(mems, gpu, device_memory) == frozenset(kinds)

@@ -27,8 +27,9 @@ from kvtransport import errors
 from kvtransport.registry import available_backends
 
 pytest.importorskip("kvtransport_ucx")
-from kvtransport_ucx import _memory, _ucp as U  # noqa: E402
-from kvtransport_ucx._options import TLS_ALIASES, parse_options  # noqa: E402
+from kvtransport_ucx import memory as _memory, ucp as U  # noqa: E402
+from kvtransport.ucx_config import TLS_ALIASES  # noqa: E402
+from kvtransport_ucx.options import parse_options  # noqa: E402
 
 UCS_CONFIG_PRINT_CONFIG = 1
 UNMAPPED = 0x10_0000
@@ -190,7 +191,7 @@ def test_register_names_the_transport_list_or_the_driver_real_context():
         os.environ.pop("UCX_TLS", None)
         import kvtransport as kvt
         from kvtransport import errors
-        from kvtransport_ucx._memory import UcxDeviceTransportsExcluded, device_kinds_here
+        from kvtransport_ucx.memory import UcxDeviceTransportsExcluded, device_kinds_here
         print("cuda here", "cuda" in device_kinds_here())
         with kvt.open("ucx", tls="tcp", device_memory="none") as a:
             try:

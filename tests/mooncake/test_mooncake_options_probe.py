@@ -14,10 +14,12 @@ import socket
 import subprocess
 import sys
 
+import msgspec
 import pytest
 
 import kvtransport as kvt
 from kvtransport import errors
+from kvtransport.process_identity import ProcessIdentity
 from kvtransport.testing.required import skip_unless_usable
 
 CLI = [sys.executable, "-m", "kvtransport.cli", "backends", "--json"]
@@ -62,12 +64,19 @@ def test_peer_blobs_decoded_strictly():
         key = exp.notify_key
         with pytest.raises(errors.IncompatiblePeerError, match="protocol 'tcp'.*'rdma'"):
             wire.decode("a", blob, "rdma")
+        ident = ProcessIdentity(1, 1, "", "")
+
+        def blob_of(session, scratch, key, v=2):
+            body = wire.CODEC.seal(ident, session=session, protocol="tcp", scratch_addr=scratch, notify_key=key)
+            return wire.CODEC.encode(msgspec.structs.replace(body, v=v))
+
         bad = [b"", blob[:-3], blob + b"\x00",
-               wire.encode(wire.Export(2, exp.session, "tcp", 8, 1, 1, "", "", key)),
-               wire.encode(wire.Export(1, "no-port", "tcp", 8, 1, 1, "", "", key)),
-               wire.encode(wire.Export(1, "h:70000", "tcp", 8, 1, 1, "", "", key)),
-               wire.encode(wire.Export(1, exp.session, "tcp", 0, 1, 1, "", "", key)),
-               wire.encode(wire.Export(1, exp.session, "tcp", 8, 1, 1, "", "", b"short-key"))]
+               blob_of(exp.session, 8, key, v=1),
+               blob_of("no-port", 8, key),
+               blob_of("h:70000", 8, key),
+               blob_of(exp.session, 0, key),
+               blob_of(exp.session, 8, b"short-key")]
+        assert wire.decode("a", blob_of(exp.session, 8, key), "tcp").scratch_addr == 8  # the helper builds good ones
         for b in bad:
             with pytest.raises(errors.PeerMetadataError):
                 wire.decode("a", b, "tcp")

@@ -17,7 +17,7 @@ import pytest
 from kvtransport.errors import BackendOptionError, PeerMetadataError
 from kvtransport.spi import LocalRegion, Op, PollState, PostRequest, RemoteRegion
 from kvtransport_moriio.backend import MoriioBackend
-from kvtransport_moriio.wire import AgentBlob, decode_agent_blob, encode_agent_blob
+from kvtransport_moriio.wire import decode_agent_blob, encode_agent_blob
 
 from .conftest import Side
 from .fake_mori_io import MemoryDesc, MemoryLocationType, PeerFailureReason, StatusCode, make_fake_mori_io
@@ -107,25 +107,25 @@ def test_metadata_round_trip_registers_remote_engine_fake_mori(fake_io):
 @pytest.mark.parametrize(
     "mutate, match",
     [
-        (lambda blob, regions: (b"\x93garbage", regions), "not a moriio agent blob"),
+        (lambda blob, regions: (b"\x93garbage", regions), "malformed moriio blob"),
         (lambda blob, regions: (b"x" * 70000, regions), "over the"),
         (
             lambda blob, regions: (
-                encode_agent_blob(AgentBlob(99, blob.engine_key, blob.engine_desc, blob.notify_address, "rdma")),
+                encode_agent_blob(msgspec.structs.replace(blob, v=99)),
                 regions,
             ),
-            "wire version 99",
+            "has version 99",
         ),
         (
             lambda blob, regions: (
-                encode_agent_blob(AgentBlob(1, blob.engine_key, b"\xc1junk", blob.notify_address, "rdma")),
+                encode_agent_blob(msgspec.structs.replace(blob, engine_desc=b"\xc1junk")),
                 regions,
             ),
             "engine descriptor mori cannot unpack",
         ),
         (
             lambda blob, regions: (
-                encode_agent_blob(AgentBlob(1, "someone-else", blob.engine_desc, blob.notify_address, "rdma")),
+                encode_agent_blob(msgspec.structs.replace(blob, engine_key="someone-else")),
                 regions,
             ),
             "but its blob names",
@@ -145,8 +145,7 @@ def test_metadata_round_trip_registers_remote_engine_fake_mori(fake_io):
             "no valid mori MemoryDesc",
         ),
         (  # a blob from before authenticated notifications: nothing we seal would be accepted
-            lambda blob, regions: (msgspec.msgpack.encode(list(msgspec.msgpack.decode(encode_agent_blob(blob)))[:5]),
-                                   regions),
+            lambda blob, regions: (encode_agent_blob(msgspec.structs.replace(blob, notify_key=b"")), regions),
             "no notification key",
         ),
     ],
@@ -361,7 +360,7 @@ def test_reconnect_same_engine_keeps_inflight_restart_fails_it_fake_mori():
 def test_post_failure_after_partial_post_reports_failed_not_raise_fake_mori(sides, fake_io):
     a, b, peer, _ = sides
     fake_io.fabric.hang_next()
-    orig = a.be._session
+    orig = a.be._data._session
     n = {"calls": 0}
 
     def flaky(p, lid, rid):
@@ -370,7 +369,7 @@ def test_post_failure_after_partial_post_reports_failed_not_raise_fake_mori(side
             raise RuntimeError("mori CreateSession failed")
         return orig(p, lid, rid)
 
-    a.be._session = flaky
+    a.be._data._session = flaky
     h = a.be.post(make_req(Op.READ, 1, peer, "b", a, b, [1, 2], [0, 0], [10, 10], [0, 0], [8, 8]))
     res = a.be.poll(h)
     assert res.state is PollState.FAILED and "CreateSession failed" in res.reason and not res.quiesced
@@ -413,14 +412,14 @@ def test_xgmi_transport_creates_xgmi_backend_fake_mori(fake_io):
 @pytest.mark.parametrize(
     "opts, match",
     [
-        ({"qp_per_transfr": 2}, "unknown moriio option 'qp_per_transfr'"),
-        ({"qp_per_transfer": 0}, "must be >= 1"),
+        ({"qp_per_transfr": 2}, r"unknown option\(s\) \['qp_per_transfr'\]"),
+        ({"qp_per_transfer": 0}, "must be an integer >= 1"),
         ({"qp_per_transfer": "4"}, "must be an int"),
-        ({"enable_transfer_chunking": 1}, "must be a bool"),
+        ({"enable_transfer_chunking": 1}, "must be True or False"),
         ({"transport": "tcp"}, "must be one of"),
         ({"transport": "xgmi", "qp_per_transfer": 2}, "with transport='xgmi'"),
         ({"xgmi_num_streams": 4}, "need transport='xgmi'"),
-        ({"port": 70000}, "<= 65535"),
+        ({"port": 70000}, "from 0 to 65535"),
         ({"poll_cq_mode": "busy"}, "must be one of"),
     ],
 )
@@ -479,6 +478,6 @@ def test_finished_transfers_are_not_tracked_forever_fake_mori(sides):
 def test_disconnect_closes_the_notification_socket_fake_mori(sides):
     a, b, peer, _ = sides
     addr = peer.notify_address
-    assert addr in a.be._outboxes
+    assert addr in a.be._peers.outboxes
     a.be.disconnect(peer)
-    assert addr not in a.be._outboxes
+    assert addr not in a.be._peers.outboxes

@@ -21,7 +21,8 @@ from kvtransport import errors
 from kvtransport import metadata as md_mod
 from kvtransport.testing.peer import ChildProcessPeer, pattern, stop_process
 from kvtransport.testing.required import skip_unless_usable
-from kvtransport_nixl import _xfer as nixl_xfer
+from kvtransport_nixl import xfer as nixl_xfer
+from kvtransport_nixl.wire import CODEC
 
 BLOCK = 16 << 10
 NBLOCKS = 256
@@ -299,12 +300,12 @@ def test_corrupt_nixl_metadata_inside_a_valid_envelope_is_refused_agent_keeps_se
         ra, rb = a.register(dst), b.register(src)
         good = b.metadata()
         md = md_mod.decode_metadata(good)
-        blob = msgspec.msgpack.decode(md.blob)
-        for bad_md in (b"", os.urandom(200), blob["nixl_md"][: len(blob["nixl_md"]) // 2]):
-            forged = msgspec.structs.replace(md, blob=msgspec.msgpack.encode({**blob, "nixl_md": bad_md}))
+        blob = CODEC.decode(md.blob)
+        for bad_md in (b"", os.urandom(200), blob.nixl_md[: len(blob.nixl_md) // 2]):
+            forged = msgspec.structs.replace(md, blob=CODEC.encode(msgspec.structs.replace(blob, nixl_md=bad_md)))
             with pytest.raises(errors.PeerMetadataError, match="NIXL refused the metadata"):
                 a.connect(md_mod.encode_metadata(forged))
-        extra = msgspec.structs.replace(md, blob=msgspec.msgpack.encode({**blob, "extra": 1}))
+        extra = msgspec.structs.replace(md, blob=msgspec.msgpack.encode([*msgspec.msgpack.decode(md.blob), 1]))
         with pytest.raises(errors.PeerMetadataError, match="malformed"):
             a.connect(md_mod.encode_metadata(extra))
         peer = a.connect(good)
@@ -433,12 +434,12 @@ def test_inline_posts_finished_by_nixl_hold_no_request_per_transfer(two_proc):
     no NIXL request tracked for those and at most ``IDLE_PER_PREP`` kept for re-posting; the
     last post moved the bytes as they were when it was posted; releasing the rest leaves
     nothing tracked."""
-    from kvtransport_nixl import _reuse
-    from kvtransport_nixl._xfer import DONE_INLINE
+    from kvtransport_nixl import reuse as _reuse
+    from kvtransport_nixl.xfer import DONE_INLINE
 
     local, buf, region, far, peer = two_proc
     be = local._backend
-    before = len(be._live)  # unreleased transfers of earlier tests on this module's agent
+    before = len(be._data.live)  # unreleased transfers of earlier tests on this module's agent
     remote = peer.region(far.region_id)
     lids, rids = _blocks(21, 32)
     prep = local.prepare(kvt.Op.WRITE, peer, _segs(region, lids), _segs(remote, rids))
@@ -453,12 +454,12 @@ def test_inline_posts_finished_by_nixl_hold_no_request_per_transfer(two_proc):
     # Tracked until released: only requests NIXL had not finished when post returned
     # (with cma nearly none; the first post of a new request may still be in flight).
     unfinished = [t for t in kept if t.backend_handle is not DONE_INLINE]
-    assert len(be._live) - before == len(unfinished)
+    assert len(be._data.live) - before == len(unfinished)
     if be.opts.inline_post_bytes >= 32 * BLOCK:
         assert len(unfinished) < len(kept) // 2, len(unfinished)
-        entry = be._reuse._d[id(prep.request.local_addr)]
+        entry = be._data._reuse._d[id(prep.request.local_addr)]
         assert 1 <= len(entry.idle) <= _reuse.IDLE_PER_PREP
     for t in kept:
         t.release()
-    assert len(be._live) == before
+    assert len(be._data.live) == before
     assert local.stats()["pending"] == 0

@@ -1,4 +1,4 @@
-"""The ctypes structures in ``kvtransport_ucx._ucp`` match the C headers byte for byte.
+"""The ctypes structures in ``kvtransport_ucx.ucp`` match the C headers byte for byte.
 
 A wrong offset in a UCX parameter struct does not fail loudly: UCX reads garbage for a
 field and misbehaves later. This test compiles a tiny C program against the headers shipped
@@ -15,7 +15,7 @@ import pytest
 
 from kvtransport.testing.required import skip_or_fail
 
-_ucp = pytest.importorskip("kvtransport_ucx._ucp")
+_ucp = pytest.importorskip("kvtransport_ucx.ucp")
 
 
 def _include_dir() -> Path:

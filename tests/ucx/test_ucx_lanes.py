@@ -16,7 +16,7 @@ import pytest
 import kvtransport as kvt
 from kvtransport.errors import BackendOptionError
 from kvtransport.testing.pinning import call_on_one_cpu
-from kvtransport_ucx._transfers import cut as _cut
+from kvtransport_ucx.datapath import cut as _cut
 from ucx_helpers import (
     SENTINEL,
     TLS_OPTIONS,
@@ -219,7 +219,7 @@ def test_peer_exporting_a_single_address_is_reached_on_every_lane():
     address from all our lanes."""
     import msgspec
 
-    from kvtransport_ucx import _peers as B
+    from kvtransport_ucx import wire as B
 
     size = 4 << 20
     a = kvt.open("ucx", name="old-style-a", tls="tcp", lanes=2, lane_split_bytes=0)
@@ -228,7 +228,7 @@ def test_peer_exporting_a_single_address_is_reached_on_every_lane():
         x, y = np.arange(size, dtype=np.uint32).view(np.uint8)[:size].copy(), np.zeros(size, np.uint8)
         ra, rb = a.register(x), b.register(y)
         blob = b._backend.export()
-        exp = msgspec.msgpack.decode(blob, type=B.Export)
+        exp = msgspec.msgpack.decode(blob, type=B.UcxBlob)
         assert len(exp.lane_addresses) == 2
         old = msgspec.structs.replace(exp, lane_addresses=[])
         b._backend.export = lambda: msgspec.msgpack.encode(old)
@@ -270,7 +270,7 @@ def test_each_lane_share_is_posted_by_that_lane_s_thread(tls, monkeypatch):
     """Over tcp a post *sends* (UCX writes what the socket takes inside the call), so the
     posting thread must not post every lane's share itself: lane k's share is posted by lane
     k's progress thread, lane 0's by the caller, and the bytes are still exact."""
-    from kvtransport_ucx import _transfers as T
+    from kvtransport_ucx import datapath as T
 
     seen: list[tuple[int, str]] = []
     real = T.DataPath._post_lane
@@ -329,7 +329,7 @@ def test_a_share_whose_post_raises_fails_its_transfer_instead_of_stranding_it(la
     """If posting one lane's share raises (a bug, a library refusing), the transfer must not
     wait for that share forever: it ends FAILED naming the lane, quiesced once the other
     shares' bytes landed, nothing stays tracked, and the agent keeps working."""
-    from kvtransport_ucx import _transfers as T
+    from kvtransport_ucx import datapath as T
 
     real = T.DataPath._post_lane
     armed = [True]

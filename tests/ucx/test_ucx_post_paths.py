@@ -13,8 +13,8 @@ import pytest
 
 import kvtransport as kvt
 from kvtransport.errors import BackendOptionError
-from kvtransport_ucx import _native
-from kvtransport_ucx import _ucp as U
+from kvtransport_ucx import native as _native
+from kvtransport_ucx import ucp as U
 from ucx_helpers import skip_unless_ucx_usable
 
 pytestmark = pytest.mark.timeout(120)

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 from ctypes import byref, c_int, c_size_t, c_void_p
 
-from . import _ucp as U
+from . import ucp as U
 
 _log = logging.getLogger("kvtransport.ucx")
 

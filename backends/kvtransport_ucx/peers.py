@@ -1,6 +1,6 @@
 """Connections to peers: what we export, endpoints per lane, remote keys, peer failure.
 
-This module owns everything about *who* we talk to; :mod:`._transfers` owns *what* moves.
+This module owns everything about *who* we talk to; :mod:`.datapath` owns *what* moves.
 A :class:`Conn` is one connected peer: its exported blob, one UCP endpoint per lane with the
 peer's remote keys unpacked on it, and what we know of its health (``failed``, ``dead``).
 :class:`Peers` opens and closes those endpoints, turns UCX endpoint errors and the same-host
@@ -25,51 +25,28 @@ import os
 import socket
 from collections.abc import Callable, Sequence
 from ctypes import byref, c_void_p
-from typing import TYPE_CHECKING
 
-import msgspec
 import numpy as np
 
 from kvtransport.errors import PeerMetadataError
-from kvtransport.process_identity import ProcessIdentity, ProcessWatch
+from kvtransport.process_identity import ProcessIdentity, ProcessWatch, peer_alive
 from kvtransport.spi import RemoteRegion
 
-from . import _ucp as U
-from ._options import UcxOptions
-from ._worker import Lane, UcpWorker
-
-if TYPE_CHECKING:
-    from ._transfers import Xfer
-
-
-class Export(msgspec.Struct, frozen=True):
-    """Agent-level blob: the UCP worker addresses plus who we are (for liveness checks)."""
-
-    v: int
-    address: bytes
-    err_mode: str
-    pid: int
-    start_time: int
-    boot_id: str
-    pid_ns: str
-    hostname: str
-    #: Addresses of all our lanes (address == lane_addresses[0]); empty from older peers.
-    lane_addresses: list[bytes] = []
-
-
-_ENC = msgspec.msgpack.Encoder()
-_DEC = msgspec.msgpack.Decoder(Export)
+from . import ucp as U
+from .options import UcxOptions
+from .wire import CODEC, UcxBlob
+from .worker import Lane, UcpWorker
 
 
 class Conn:
     """Our endpoint to one peer, its unpacked remote keys, and its liveness."""
 
-    def __init__(self, key: int, name: str, exp: Export, regions: Sequence[RemoteRegion]) -> None:
+    def __init__(self, key: int, name: str, exp: UcxBlob, regions: Sequence[RemoteRegion]) -> None:
         self.key = key  # the endpoint error handler's argument
         self.name = name
         self.exp = exp
         self.regions = list(regions)
-        self.ident = ProcessIdentity(exp.pid, exp.start_time, exp.boot_id, exp.pid_ns)
+        self.ident = exp.identity
         #: The peer's pid can be checked from here (same boot, same pid namespace).
         self.same_host = self.ident.checkable_here()
         #: Per lane: our endpoint to the peer, and the remote keys unpacked on it (in
@@ -89,7 +66,8 @@ class Conn:
         self.dead = False  # the peer process is confirmed gone (nothing more can land)
         self.broken = False  # our endpoint was closed: reopen before the next post
         self.forced = False  # ... and it was a forced close: every outstanding request ended
-        self.xfers: set[Xfer] = set()
+        #: Its transfers in flight (``datapath.Xfer``; this module does not look into them).
+        self.xfers: set[object] = set()
 
     def process_gone(self) -> bool:
         """Same-host peer whose process exited, is exiting, or whose pid was recycled."""
@@ -119,17 +97,11 @@ class Peers:
 
     # -- export / connect ---------------------------------------------------------------------
     def export(self) -> bytes:
-        i = self._ident
-        return _ENC.encode(Export(1, self._w.address, self.opts.err_mode, i.pid, i.start_time,
-                                  i.boot_id, i.pid_ns, self._hostname, list(self._w.addresses)))
+        return CODEC.encode(CODEC.seal(self._ident, address=self._w.address, err_mode=self.opts.err_mode,
+                                       hostname=self._hostname, lane_addresses=list(self._w.addresses)))
 
     def connect(self, peer_name: str, blob: bytes, regions: Sequence[RemoteRegion]) -> Conn:
-        try:
-            exp = _DEC.decode(blob)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise PeerMetadataError(f"ucx blob of peer {peer_name!r} is malformed: {exc}") from None
-        if exp.v != 1:
-            raise PeerMetadataError(f"ucx blob of peer {peer_name!r} has version {exp.v}, expected 1")
+        exp = CODEC.decode(blob, peer_name)
         conn = Conn(next(self._keys), peer_name, exp, regions)
         with self._w.lock:
             old = self.by_name.get(peer_name)
@@ -216,7 +188,7 @@ class Peers:
 
         ``conn.eps`` is replaced *before* any endpoint is closed: a lane thread about to post
         a share checks, under its lane's lock, that the list it was given is still the
-        connection's (``_transfers.DataPath._post_lane``)."""
+        connection's (``datapath.DataPath._post_lane``)."""
         eps, lane_rkeys = conn.eps, conn.lane_rkeys
         conn.eps, conn.lane_rkeys, conn.rk_ptrs, conn.rk_by_id = [], [], [], []
         conn.broken, conn.forced = True, force
@@ -267,13 +239,8 @@ class Peers:
         """Same host: pid + start time, gone once every thread of it is (``has_exited``:
         ``dead`` is set when its main thread exits, while another thread may still copy
         into us over cma); across hosts only UCX's own failure report."""
-        if conn.same_host and conn.ident.pid != os.getpid():
-            exited = conn.watch.has_exited()
-            if exited is not None:
-                return not exited
-        if conn.dead or conn.process_gone():
-            return False
-        return True if conn.same_host else None
+        return peer_alive(conn.watch if conn.watch_process else None,
+                          lambda: False if conn.dead or conn.process_gone() else True if conn.same_host else None)
 
     def absorb_ep_errors(self) -> None:
         """Apply the endpoint errors UCX reported on any lane since the last call (lock held),

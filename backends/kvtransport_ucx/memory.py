@@ -28,9 +28,9 @@ import numpy as np
 from kvtransport.errors import UnsupportedMemoryKindError
 from kvtransport.spi import LocalRegion
 
-from . import _ucp as U
-from ._options import DEVICE_TLS_ALIAS
-from ._worker import UcpWorker
+from . import ucp as U
+from kvtransport.ucx_config import DEVICE_TLS_ALIAS
+from .worker import UcpWorker
 
 
 #: memory kind -> the UCS memory type it is mapped and posted as

@@ -1,12 +1,12 @@
 """Posting, chunking and completion of transfers on one Mooncake engine.
 
-A posted transfer (:class:`Job`) is cut into Mooncake batches of at most ``chunk_segments``
+A posted transfer (:class:`Xfer`) is cut into Mooncake batches of at most ``chunk_segments``
 segments, submitted with ``batch_transfer_async_read/write`` (numpy address arrays sliced
 and turned into lists in one call each: no Python loop per segment). At most
 ``max_inflight_segments`` segments per peer are with Mooncake at once: its TCP transport
 queues 1024 slices per peer and fails the rest, so the next chunk is submitted when an
 earlier one completed. Completion is read with the non-blocking C++ status calls of
-:mod:`._abi`.
+:mod:`.abi`.
 
 Everything here runs under the agent lock (the core serialises SPI calls), except the
 notifier thread, which only sets ``NotifyJob.result``. Batches are reaped per *peer*, not
@@ -22,18 +22,15 @@ freed. Mooncake's TCP transport ends a stalled task itself (status-frame timeout
 from __future__ import annotations
 
 import enum
-import os
 import time
 from typing import Any
 
-from kvtransport.process_identity import ProcessIdentity
 from kvtransport.spi import Op, PollResult, PostRequest
 
-from ._abi import EngineStatus, TaskState
+from .abi import EngineStatus, TaskState
 from .notify import Notifier, NotifyJob, seal
-from .notify import authenticator as seal_for
 from .options import MooncakeOptions
-from .wire import Export
+from .peers import Conn
 
 #: What ``batch_transfer_async_*`` returns when it could not submit: 0, or -1 wrapped to
 #: uint64 when the peer's segment could not be opened.
@@ -47,30 +44,8 @@ class JobState(enum.Enum):
     FAILED = "failed"
 
 
-class Conn:
-    """One connected peer: its session id, scratch buffer, liveness and in-flight load."""
-
-    def __init__(self, name: str, exp: Export) -> None:
-        self.name = name
-        self.exp = exp
-        self.session = exp.session
-        #: Seals our notifications to this peer with its key (used on the notifier thread
-        #: only after being created here).
-        self.auth = seal_for(exp.notify_key)
-        self.ident = ProcessIdentity(exp.pid, exp.start_time, exp.boot_id, exp.pid_ns)
-        #: Check the peer's process while transfers are pending: same host, other process.
-        self.watch = self.ident.checkable_here() and exp.pid != os.getpid()
-        self.next_check = 0.0
-        self.gone: str = ""  # why the peer can no longer be used ("" while usable)
-        self.inflight = 0  # segments submitted to Mooncake and not yet freed
-        self.jobs: list[Job] = []  # jobs with chunks to submit or batches to reap, FIFO
-
-    def alive(self) -> bool | None:
-        return self.ident.is_alive() if self.watch else None
-
-
-class Job:
-    """One posted transfer."""
+class Xfer:
+    """Backend handle of one posted transfer."""
 
     def __init__(self, req: PostRequest, conn: Conn) -> None:
         self.req, self.conn = req, conn
@@ -97,10 +72,10 @@ class DataPath:
         self._notifier = notifier
 
     # -- posting --------------------------------------------------------------------------
-    def post(self, req: PostRequest, conn: Conn) -> Job:
+    def post(self, req: PostRequest, conn: Conn) -> Xfer:
         if conn.gone:
             raise ConnectionError(f"peer {conn.name!r} is gone: {conn.gone}")
-        job = Job(req, conn)
+        job = Xfer(req, conn)
         conn.jobs.append(job)
         self.pump(conn)
         if job.state is JobState.FAILED and job.next == 0:
@@ -108,7 +83,7 @@ class DataPath:
             raise ConnectionError(job.reason)  # nothing submitted: the core fails it at once
         return job
 
-    def _submit(self, job: Job, end: int) -> None:
+    def _submit(self, job: Xfer, end: int) -> None:
         r, i = job.req, job.next
         if r.op is Op.READ:
             call = self._engine.batch_transfer_async_read
@@ -148,7 +123,7 @@ class DataPath:
             if not job.batches and (job.state is not JobState.MOVING):
                 conn.jobs.remove(job)
 
-    def _reap(self, job: Job) -> None:
+    def _reap(self, job: Xfer) -> None:
         keep = []
         for bid, ntasks in job.batches:
             st = self._status.batch(bid)
@@ -164,7 +139,7 @@ class DataPath:
             keep.append((bid, ntasks))
         job.batches = keep
 
-    def _data_complete(self, job: Job) -> None:
+    def _data_complete(self, job: Xfer) -> None:
         if job.req.notify is None:
             job.state = JobState.DONE
             return
@@ -193,7 +168,7 @@ class DataPath:
             job.fail(reason)
 
     # -- SPI ------------------------------------------------------------------------------
-    def poll(self, job: Job) -> PollResult:
+    def poll(self, job: Xfer) -> PollResult:
         if job.state in (JobState.MOVING, JobState.FAILED) and (job.batches or job in job.conn.jobs):
             self.pump(job.conn)
         if job.state is JobState.NOTIFYING and job.notify is not None and job.notify.result is not None:
@@ -207,13 +182,13 @@ class DataPath:
             return PollResult.failed(job.reason, quiesced=not job.batches)
         return PollResult.pending()
 
-    def cancel(self, job: Job) -> bool:
+    def cancel(self, job: Xfer) -> bool:
         """Mooncake cannot withdraw a submitted batch: stop submitting; True once none runs."""
         job.fail("cancelled")
         self.pump(job.conn)
         return not job.batches
 
-    def quiesced(self, job: Job) -> bool:
+    def quiesced(self, job: Xfer) -> bool:
         if job.batches:
             self.pump(job.conn)
         return not job.batches

@@ -19,7 +19,7 @@ An :class:`Xfer` moves ``rma -> notify -> done`` or ends ``failed``; it changes 
 under the state lock. The remote side does no work per transfer: with cma (same host) the
 initiator's kernel copies, with RDMA the NIC does; over tcp UCX emulates RMA with active
 messages served by the target's progress thread (still no application call on the target).
-Connections (endpoints, remote keys, peer failure) are :mod:`._peers`' job.
+Connections (endpoints, remote keys, peer failure) are :mod:`.peers`' job.
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ import numpy as np
 from kvtransport.errors import KVTransportError
 from kvtransport.spi import Op, PollResult, PostRequest
 
-from . import _native
-from . import _ucp as U
-from ._memory import LocalMemory
-from ._options import UcxOptions
-from ._peers import Conn, Peers
-from ._worker import AM_NOTIFY, Lane, UcpWorker
+from . import native
+from . import ucp as U
+from .memory import LocalMemory
+from .options import UcxOptions
+from .peers import Conn, Peers
+from .worker import AM_NOTIFY, Lane, UcpWorker
 
 
 _Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
@@ -118,7 +118,7 @@ class DataPath:
         self._am_param.flags = U.UCP_AM_SEND_FLAG_EAGER | U.UCP_AM_SEND_FLAG_COPY_HEADER
         self._am_header = sender_name.encode()
         #: Posts a lane's segment list: compiled loop or ctypes fallback (option ``post``).
-        self._poster = _native.Poster(self._ucp, memory, self._param, native=opts.post == "native")
+        self._poster = native.Poster(self._ucp, memory, self._param, native=opts.post == "native")
 
     # -- posting ----------------------------------------------------------------------------
     def post(self, req: PostRequest) -> Xfer:
@@ -184,7 +184,7 @@ class DataPath:
                    budget_s: float) -> tuple[int, int | None, int] | None:
         """Post one lane's share of a transfer, then its flush, holding only the lane's
         lock, and drive the lane for up to ``budget_s`` while the flush is in progress
-        (:meth:`._native.Poster.share`): (status of the first refused RMA post or 0, flush
+        (:meth:`.native.Poster.share`): (status of the first refused RMA post or 0, flush
         request still in progress or None, flush status), or None when nothing was posted.
 
         Why drive on the posting thread (lane 0's share, ``inline_progress_s``): with cma
@@ -197,7 +197,7 @@ class DataPath:
 
         Nothing is posted once the transfer ended, the backend closed, or the connection's
         endpoints changed since ``post`` (``eps`` is the list it saw): endpoints are closed
-        only after ``conn.eps`` was replaced (:meth:`._peers.Peers.shut`), each under its
+        only after ``conn.eps`` was replaced (:meth:`.peers.Peers.shut`), each under its
         lane's lock, so an endpoint seen here under that lock is still open."""
         with lane.lock:
             if (x.error or x.stage != "rma" or self.closed or lane.worker is None
@@ -228,7 +228,7 @@ class DataPath:
     def split(self, req: PostRequest) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
         """Share a transfer's bytes evenly across the lanes: (lane, local addresses, remote
         addresses, lengths, local regions, remote regions) per lane. Below
-        :meth:`._options.UcxOptions.split_bytes` everything goes to lane 0 (a hand-off to the
+        :meth:`.options.UcxOptions.split_bytes` everything goes to lane 0 (a hand-off to the
         progress thread costs more than it saves). At most one segment per boundary is cut in two."""
         rest = (req.local_addr, req.remote_addr, req.length, req.local_region, req.remote_region)
         n = len(self._lanes)

@@ -196,3 +196,12 @@ def has_gpu(dev_dir: str = "/dev", load: Callable[[str], Any | None] = load_libr
     """Whether this process can see an NVIDIA GPU (:func:`gpu_count`); NIXL's VRAM is
     offered only then."""
     return gpu_count(dev_dir, load) > 0
+
+
+def local_memory_kinds(plugin_mem_types: list[set[str]], has_gpu: bool, device_memory: str) -> frozenset[str]:
+    """The memory this agent registers: device memory (VRAM) only where every selected
+    plugin moves it, this host has a GPU and the ``device_memory`` option does not say
+    ``none`` (which also keeps UCX's cuda transports out of the list, so NIXL could not
+    move it: the core refuses it at ``register`` instead of NIXL failing later)."""
+    vram = all("VRAM_SEG" in m for m in plugin_mem_types) and has_gpu and device_memory != "none"
+    return frozenset({"cpu", "cuda"}) if vram else frozenset({"cpu"})

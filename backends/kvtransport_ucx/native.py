@@ -32,7 +32,7 @@ import numpy as np
 
 from kvtransport.errors import BackendOptionError
 
-from ._ucp import UCS_INPROGRESS
+from .ucp import UCS_INPROGRESS
 
 ENV = "KVT_UCX_POST"
 MODES = ("auto", "native", "ctypes")
@@ -98,7 +98,7 @@ def fn_address(fn: object) -> int:
     return ctypes.cast(fn, c_void_p).value or 0
 
 
-_MAX_PTR = (1 << 64) - 100  # (uintptr_t)UCS_ERR_LAST (_ucp.py): status pointers at or above are errors
+_MAX_PTR = (1 << 64) - 100  # (uintptr_t)UCS_ERR_LAST (ucp.py): status pointers at or above are errors
 
 
 class _Ucp(ctypes.Structure):
