@@ -110,7 +110,7 @@ class Agent:
     # -- properties -----------------------------------------------------------
     @property
     def faults(self) -> FaultInjectingBackend | None:
-        """The fault injector when opened with ``faults=``, for tests (``kill_peer``)."""
+        """The fault injector when opened with ``faults=`` (its plan and counts), else None."""
         b = self._backend
         return b if isinstance(b, FaultInjectingBackend) else None
 
