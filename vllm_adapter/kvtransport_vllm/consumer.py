@@ -117,14 +117,17 @@ class Consumer:
         return self.producers.get(host, port)
 
     def _reads_in_flight_on(self, peer: Any) -> bool:
-        """Whether reads posted on ``peer`` (a connection to be re-made) may still be moving.
+        """Whether reads posted on ``peer`` (a connection to be re-made) are still pending.
 
         Why: re-making a connection disconnects the old one, which fails every read still on
         it. One failed read (its deadline, a refused post) says nothing of its siblings;
         failing them too would turn one failed load into many. New loads from that producer
-        wait until these reads ended (each by its own deadline at the latest)."""
+        wait until no read on it is pending: one transfer deadline at most, since the core
+        fails a pending read at its deadline. A read already failed but not yet quiesced does
+        not count: its load keeps its blocks until then whatever happens to the connection."""
         with self.ctx.lock:
             return any(r.state is RecvState.READ and pc.transfer is not None and pc.transfer.peer is peer
+                       and pc.transfer.last_status.state is kvt.State.PENDING
                        for r in self.recv.values() for pc in r.pieces)
 
     def poll_replies(self) -> list[Msg]:

@@ -260,18 +260,21 @@ class Producer:
                 HoldState.POSTED)
 
     def _writes_in_flight_on(self, peer: Any) -> bool:
-        """Whether writes posted on ``peer`` (a retired connection) may still land.
+        """Whether writes posted on ``peer`` (a retired connection) are still pending.
 
         Why: one failed write retires its connection, and re-connecting disconnects the old
         one, which fails every write still on it. A failure of one transfer (its deadline, a
         refused post) says nothing of its siblings; failing them too would turn one failed
-        load into many. So the connection is re-made only once nothing is in flight on it:
-        new writes to that consumer wait (HELD) for at most one transfer deadline."""
+        load into many. So the connection is re-made only once no write on it is pending:
+        new writes to that consumer wait (HELD) one transfer deadline at most, since the
+        core fails a pending write at its deadline. A write already failed but not yet
+        quiesced does not count: disconnecting cannot make it worse (its hold keeps the
+        blocks until it is quiesced either way)."""
         if peer is None:
             return False
         with self.ctx.lock:
             return any(h.state is HoldState.POSTED and h.write is not None and h.write.peer is peer
-                       for h in self.holds.values())
+                       and h.write.last_status.state is kvt.State.PENDING for h in self.holds.values())
 
     def poll_replies(self) -> list[Msg]:
         """Replies on our clients to consumers' reply addresses (engine thread)."""
