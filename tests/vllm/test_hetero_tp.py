@@ -27,15 +27,16 @@ LONG_LEASE = 120.0  # longer than any test here may run: a hold freed is freed b
 
 def _engines(mode: str, p: int, d: int, heads: int, *, timeout_s: float = 10.0, lease_s: float = LONG_LEASE,
              p_rank_extra=None, c_rank_extra=None, policy: str = "recompute", c_block_size: int = 16,
-             mla: bool = False):
+             mla: bool = False, sliding_window: int | None = None):
     base = free_port_base(16)
     common = {"backend": "loopback", "mode": mode, "transfer_timeout_s": timeout_s, "lease_s": lease_s,
               "side_channel_host": "127.0.0.1"}
     P = TPEngine("kv_producer", {**common, "side_channel_port": base}, tp=p, total_kv_heads=heads,
-                 engine_id="P", rank_extra=p_rank_extra, mla=mla)
+                 engine_id="P", rank_extra=p_rank_extra, mla=mla, sliding_window=sliding_window)
     try:
         C = TPEngine("kv_consumer", {**common, "side_channel_port": base + 8}, tp=d, total_kv_heads=heads,
-                     engine_id="C", rank_extra=c_rank_extra, policy=policy, block_size=c_block_size, mla=mla)
+                     engine_id="C", rank_extra=c_rank_extra, policy=policy, block_size=c_block_size, mla=mla,
+                     sliding_window=sliding_window)
     except BaseException:
         P.close()
         raise
@@ -147,6 +148,29 @@ def test_hetero_tp_bytes_equal_per_head_slice(mode, p, d, heads):
         assert C.first_start["c1"] >= len(prompt) - 1, "prefilled locally, not loaded"
         _assert_nothing_left(P, C)
         assert C.counter("loads_ok") == d and C.counter("failures") == 0  # every decode rank loaded
+    finally:
+        P.close()
+        C.close()
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+@pytest.mark.parametrize("p, d", [(2, 1), (1, 2)], ids=["tp2to1", "tp1to2"])
+@pytest.mark.parametrize("n_tokens", [20, 150])
+def test_hetero_tp_sliding_window_hybrid_model(mode, p, d, n_tokens):
+    """A hybrid model (sliding-window layer + full-attention layer, two KV cache groups with
+    their own block ids) across TP sizes: every head slice of every full-attention block and
+    of every sliding-window block inside the window equals the prefill's, loaded not
+    recomputed, nothing left on either side."""
+    P, C = _engines(mode, p, d, 2, sliding_window=32)
+    try:
+        prompt = prompt_of(n_tokens, seed=n_tokens + p)
+        C.add("c1", prompt, 3, _prefill(P, "p1", prompt))
+        bad = _run_load(P, C, "c1", prompt).bad
+        assert bad == [], f"head slices differing from the prefill's (rank, block, head): {bad}"
+        assert C.finish_reason("c1") == "length"
+        assert C.first_start["c1"] >= len(prompt) - 1, "prefilled locally, not loaded"
+        _assert_nothing_left(P, C)
+        assert C.counter("loads_ok") == d and C.counter("failures") == 0
     finally:
         P.close()
         C.close()

@@ -34,7 +34,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec,
+                                        SlidingWindowSpec)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -113,10 +114,12 @@ class TPEngine:
     def __init__(self, kv_role: str, extra: dict[str, Any], *, tp: int, total_kv_heads: int, block_size: int = 16,
                  num_blocks: int = 48, engine_id: str | None = None, policy: str = "recompute",
                  rank_extra: dict[int, dict[str, Any]] | None = None, served_model_name: str | None = None,
-                 dtype: str | None = None, mla: bool = False) -> None:
+                 dtype: str | None = None, mla: bool = False, sliding_window: int | None = None) -> None:
         """``mla``: a DeepSeek-V2 model with vLLM's MLA KV cache spec and vLLM's MLA cache
         shape ``[num_blocks, block_size, latent]``: one latent per token, the same on
-        every rank (``total_kv_heads`` is then 1)."""
+        every rank (``total_kv_heads`` is then 1). ``sliding_window``: a hybrid model as
+        vLLM lays out such a Llama (harness.Engine's): layer 0 sliding window of that many
+        tokens (group 0), layer 1 full attention (group 1), each group its own block ids."""
         global _hash_ready
         register()
         if not _hash_ready:
@@ -128,14 +131,21 @@ class TPEngine:
         self.width = MLA_WIDTH if mla else 2 * HEAD_SIZE
         self.engine_id = engine_id or f"{kv_role}-tp{tp}-{next(_ids)}"
         self.served_model_name, self.dtype = served_model_name, dtype or "float32"
+        self.sliding_window = sliding_window
+        self.layer_group = [0, 1] if sliding_window else [0] * NUM_LAYERS
+        self.full_group = 1 if sliding_window else 0
         self.vllm_config = self._config(kv_role, extra, policy)
         kv_heads = len(heads_of_rank(self.total, tp, 0))
         spec = (MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=MLA_WIDTH, dtype=torch.float32)
                 if mla else FullAttentionSpec(block_size=block_size, num_kv_heads=kv_heads, head_size=HEAD_SIZE,
                                               dtype=torch.float32))
-        self.kv_cache_config = KVCacheConfig(
-            num_blocks=num_blocks, kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec([f"layers.{i}" for i in range(NUM_LAYERS)], spec)])
+        if sliding_window:
+            sw = SlidingWindowSpec(block_size=block_size, num_kv_heads=kv_heads, head_size=HEAD_SIZE,
+                                   dtype=torch.float32, sliding_window=sliding_window)
+            groups = [KVCacheGroupSpec(["layers.0"], sw), KVCacheGroupSpec(["layers.1"], spec)]
+        else:
+            groups = [KVCacheGroupSpec([f"layers.{i}" for i in range(NUM_LAYERS)], spec)]
+        self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
                                    log_stats=True, structured_output_manager=StructuredOutputManager(self.vllm_config),
                                    block_size=block_size)
@@ -193,8 +203,10 @@ class TPEngine:
         req = self.scheduler.requests.get(rid)
         return None if req is None else req.status
 
-    def block_ids(self, rid: str) -> list[int]:
-        return list(self.scheduler.kv_cache_manager.get_block_ids(rid)[0])
+    def block_ids(self, rid: str, group: int | None = None) -> list[int]:
+        """The request's block ids in KV cache ``group`` (default: the full-attention one)."""
+        g = self.full_group if group is None else group
+        return list(self.scheduler.kv_cache_manager.get_block_ids(rid)[g])
 
     def _compute_kv(self, so: Any, before: dict[str, int]) -> None:
         for rid, n in so.num_scheduled_tokens.items():
@@ -202,12 +214,13 @@ class TPEngine:
             start = before[rid]
             pos = torch.arange(start, start + n)
             toks = torch.tensor(list(req.all_token_ids) + [0] * (start + n), dtype=torch.int64)[start:start + n]
-            blk = torch.tensor(self.block_ids(rid), dtype=torch.int64)[pos // self.block_size]
+            blks = [torch.tensor(self.block_ids(rid, g), dtype=torch.int64)[pos // self.block_size]
+                    for g in range(max(self.layer_group) + 1)]
             slot = pos % self.block_size
             for r, caches in enumerate(self.caches):
                 for hi, head in enumerate(heads_of_rank(self.total, self.tp, r)):
                     for li, t in enumerate(caches.values()):
-                        t[blk, hi, slot, :] = kv_value(toks, pos, li, head)[:, None]
+                        t[blks[self.layer_group[li]], hi, slot, :] = kv_value(toks, pos, li, head)[:, None]
 
     def step(self) -> dict[str, Any]:
         so = self.scheduler.schedule()
@@ -252,18 +265,28 @@ class TPEngine:
 
     def bad_heads(self, rid: str, prompt: list[int]) -> list[tuple[int, int, int]]:
         """(rank, block index, global head) of every head slice of the prompt's blocks
-        that differs from what the producer computed for it."""
+        that differs from what the producer computed for it.
+
+        A sliding-window layer is checked only inside the window of the last prompt token,
+        in the blocks its group still holds (vLLM's null block, id 0, in the window is bad)."""
         bad = []
-        for b_i, b in enumerate(self.block_ids(rid)):
+        ids = [self.block_ids(rid, g) for g in range(max(self.layer_group) + 1)]
+        first_needed = max(0, len(prompt) - self.sliding_window) if self.sliding_window else 0
+        for b_i in range(len(ids[self.full_group])):
             lo, hi = b_i * self.block_size, min(len(prompt), (b_i + 1) * self.block_size)
             if hi <= lo:
                 break
-            pos, toks = torch.arange(lo, hi), torch.tensor(prompt[lo:hi])
             for r, caches in enumerate(self.caches):
                 for h_i, head in enumerate(heads_of_rank(self.total, self.tp, r)):
                     for li, t in enumerate(caches.values()):
-                        want = kv_value(toks, pos, li, head)[:, None].expand(hi - lo, self.width)
-                        if not torch.equal(t[b, h_i, : hi - lo, :], want):
+                        g = self.layer_group[li]
+                        lo_l = max(lo, first_needed) if g != self.full_group else lo
+                        if hi <= lo_l:
+                            continue
+                        b = ids[g][b_i]
+                        pos, toks = torch.arange(lo_l, hi), torch.tensor(prompt[lo_l:hi])
+                        want = kv_value(toks, pos, li, head)[:, None].expand(hi - lo_l, self.width)
+                        if (g != self.full_group and b == 0) or not torch.equal(t[b, h_i, lo_l - lo: hi - lo, :], want):
                             bad.append((r, b_i, head))
                             break
         return bad
