@@ -108,13 +108,14 @@ def test_consumer_cancel_while_post_blocks_is_not_acked_and_nothing_lands_in_fre
     blocks = pair.C.block_ids("c1")
     assert blocks
 
-    # Every status the producer gives the consumer for this key, and whether it came while
-    # the producer's post was still blocked.
+    # Every answer the producer gives the consumer's Cancel for this key ("pending" or
+    # "acked"; a lease renewal's "ok" is no answer to it), and whether it came while the
+    # producer's post was still blocked.
     seen: list[tuple[str, bool]] = []
     real_reply = cw.consumer.on_reply
 
     def record(msg):
-        if isinstance(msg, Reply) and key in msg.status:
+        if isinstance(msg, Reply) and msg.status.get(key) in ("pending", "acked"):
             seen.append((msg.status[key], not gate.passed.is_set()))
         return real_reply(msg)
 
