@@ -177,18 +177,23 @@ def test_connection_reset_heals(can_reset, case, mode):
         _heals(pair, brk, lost_max=LOST_MAX[case])
         if case in COUNTED:
             # UCX closes replaced endpoints' sockets as its workers progress: step both
-            # engines (their progress runs) until it has, 10 s at most; a leak stays
+            # engines (their progress runs) until it has, 10 s at most. UCX over tcp opens
+            # connections lazily, and a READ's target may open one back to the initiator,
+            # so one connection (two entries: both ends are this process) more than before
+            # the break is its timing, not a leak; a leaked endpoint set (both lanes, four
+            # entries) is not.
+            allowed = held[0] + 2
             held_now: list[int] = []
 
             def settled() -> bool:
                 held_now.append(len(pair_tcp()))
-                return held_now[-1] <= held[0]
+                return held_now[-1] <= allowed
 
             try:
                 pair.run(settled, timeout=10.0)
             except AssertionError:
                 pass  # the assertion below names the figures
-            assert held_now[-1] <= held[0], \
+            assert held_now[-1] <= allowed, \
                 f"backend connections leaked across the reconnect: {held_now[-1]} > {held[0]} before the break"
     finally:
         pair.close()
