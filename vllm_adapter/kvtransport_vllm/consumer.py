@@ -363,7 +363,7 @@ class Consumer:
         have restarted at the same address with new memory)."""
         p = self.peers.get((host, port))
         if p is not None and p.state == "ready":
-            p.state = "draining"  # hand-shake again once no read is in flight on it (``peer``)
+            p.state = "draining"  # hand-shake again once no read on it is pending (``peer``)
 
     def _start_giving_up(self, r: Recv) -> None:
         """Stop waiting for ``r``. READ: tell the producer ranks to free. WRITE: they may
