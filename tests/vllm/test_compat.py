@@ -36,7 +36,7 @@ def _info(**kw) -> LayoutInfo:
     ("model", "llama-a", "llama-b", "--served-model-name"),
     ("model_dtype", "float32", "bfloat16", "--dtype"),
     ("dtype", "float32", "fp8_e4m3", "--kv-cache-dtype"),
-    ("block_size", 16, 32, "--block-size"),
+    ("block_size", 16, 24, "--block-size"),
     ("num_layers", 2, 3, "same model"),
     ("head_size", 16, 32, "same model"),
     ("total_kv_heads", 4, 8, "same model"),
@@ -46,6 +46,20 @@ def test_each_difference_is_named_with_both_values_and_the_fix(field, a, b, fix)
     why = refusal(_info(**{field: a}), _info(**{field: b}), "decode", "prefill")
     assert f"{field}: decode {a!r} vs prefill {b!r}" in why and fix in why, why
     assert refusal(_info(**{field: a}), _info(**{field: a})) == ""
+
+
+def test_block_sizes_that_divide_one_another_pair_by_token_position():
+    """16 and 32 tokens a block (the same bytes per token) pair; the bytes per token must
+    still agree, and the tokens must lie in one range per head or per block."""
+    b16, b32 = _info(), _info(block_size=32, block_bytes=2 * _info().block_bytes)
+    assert refusal(b16, b32) == refusal(b32, b16) == ""
+    tp2 = _info(block_size=32, tp_size=2, kv_heads=2, block_bytes=b16.block_bytes)  # half the heads, twice the tokens
+    assert refusal(b16, tp2) == refusal(tp2, b16) == ""
+    assert "8192 per 16 tokens vs prefill 8192 per 32" in refusal(b16, _info(block_size=32), "decode", "prefill")
+    for layout in (KV_OUTER, AMBIGUOUS):
+        why = refusal(_info(attn_layout=layout), _info(attn_layout=layout, block_size=32,
+                                                       block_bytes=b32.block_bytes), "decode", "prefill")
+        assert f"block_size: decode 16 vs prefill 32" in why and f"KV layout is {layout}" in why, why
 
 
 def test_unknown_fields_are_not_compared():

@@ -192,9 +192,10 @@ def test_peer_conn_logs_repeated_refusal_once(caplog):
 
 def test_repeated_handshake_refusal_logged_once_per_peer(pairs, caplog):
     """Three loads one after another from a producer whose layout differs (block size): each
-    load hand-shakes again and is refused, but the refusal is logged at error level once."""
+    load hand-shakes again and is refused, but the refusal is logged at error level once
+    (16 and 24 tokens a block: neither divides the other)."""
     caplog.set_level(logging.DEBUG, logger="kvtransport_vllm.producer_peers")
-    pair = pairs("read", c_block_size=32, timeout_s=5.0, lease_s=10.0, policy="recompute")
+    pair = pairs("read", c_block_size=24, timeout_s=5.0, lease_s=10.0, policy="recompute")
     for i in range(3):
         prompt = prompt_of(64, seed=10 + i)
         params = pair.prefill(f"p{i}", prompt)

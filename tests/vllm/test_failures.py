@@ -285,7 +285,7 @@ def test_late_and_duplicate_signals_are_dropped(pairs):
 
 
 def test_layout_mismatch_is_a_clear_error_and_recomputes(pairs, caplog):
-    pair = pairs("read", c_block_size=32, timeout_s=2.0, lease_s=3.0)
+    pair = pairs("read", c_block_size=24, timeout_s=2.0, lease_s=3.0)  # 16 and 24: neither divides the other
     prompt = prompt_of(64)
     params = pair.prefill("p1", prompt)
     load = _Load(pair, "c1")

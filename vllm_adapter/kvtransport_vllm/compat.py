@@ -5,10 +5,12 @@ producer's Welcome, the producer on the consumer's Hello), so a refusal is known
 one hand-shake round trip and no byte ever moves between incompatible caches. Every
 refusal names both values and the fix.
 
-Compared: served model name, model dtype, KV cache dtype, block size, whether the layers
+Compared: served model name, model dtype, KV cache dtype, whether the layers
 of a block lie together (vLLM's cross-layer layout), layer count, K/V split, total KV
-heads, head size, the attention layout inside a block; with equal TP
-sizes the bytes per block; with different TP sizes the head split (:mod:`.tp_mapping`)
+heads, head size, the attention layout inside a block; block sizes must be equal or
+divide one another (:mod:`.block_sizes` pairs them by token position, which needs
+tokens in one range per head or per block); with equal TP
+sizes the bytes per token; with different TP sizes the head split (:mod:`.tp_mapping`)
 and whether the side that must send or receive part of its heads keeps them as one byte
 range per block (``kv_layout.HEADS_OUTER``). Fields a side does not know ("" / 0: a
 worker built without a model config) are not compared.
@@ -16,7 +18,8 @@ worker built without a model config) are not compared.
 
 from __future__ import annotations
 
-from .kv_layout import HEADS_OUTER
+from .block_sizes import sizes_problem
+from .kv_layout import HEADS_OUTER, TOKENS_OUTER
 from .messages import LayoutInfo
 from .tp_mapping import TPMappingError, check_mapping
 
@@ -26,13 +29,13 @@ _FIX = {
     "model": "serve the same model (same --served-model-name) on both engines",
     "model_dtype": "start both engines with the same --dtype",
     "dtype": "start both engines with the same --kv-cache-dtype (and --dtype)",
-    "block_size": "start both engines with the same --block-size (different block sizes are not remapped)",
+    "block_size": "start both engines with block sizes that divide one another (e.g. 32 and 64, or equal)",
     "num_layers": "serve the same model on both engines",
     "parts_per_layer": "use the same attention backend on both engines",
     "total_kv_heads": "serve the same model on both engines",
     "head_size": "serve the same model on both engines",
     "attn_layout": "use the same attention backend (KV cache layout) on both engines",
-    "block_bytes": "serve the same model with the same dtype and block size on both engines",
+    "block_bytes": "serve the same model with the same dtype on both engines",
 }
 
 
@@ -99,17 +102,40 @@ def refusal(ours: LayoutInfo, peer: LayoutInfo, us: str = "local", them: str = "
                      f"cross-layer layout) and the {other}'s does not; set the same kv_cache_layout in "
                      "kv_connector_extra_config on both engines (and the same VLLM_KV_CACHE_LAYOUT, if set)")
         return "; ".join(diffs)
-    for name in ("dtype", "block_size", "num_layers", "parts_per_layer"):
+    for name in ("dtype", "num_layers", "parts_per_layer"):
         cmp(name)
+    if ours.block_size != peer.block_size:
+        diffs += _block_size_refusal(ours, peer, us, them)
     heads_known = ours.total_kv_heads > 0 and peer.total_kv_heads > 0
     cmp("total_kv_heads", heads_known)
     cmp("head_size", ours.head_size > 0 and peer.head_size > 0)
     cmp("attn_layout", bool(ours.attn_layout and peer.attn_layout) and ours.kv_heads > 1 and peer.kv_heads > 1)
     if ours.tp_size == peer.tp_size:
-        cmp("block_bytes")
+        if ours.block_bytes * peer.block_size != peer.block_bytes * ours.block_size:
+            diffs.append(f"block_bytes: {us} {ours.block_bytes} per {ours.block_size} tokens vs {them} "
+                         f"{peer.block_bytes} per {peer.block_size} ({_FIX['block_bytes']})")
     elif not diffs:
         diffs += _tp_refusal(ours, peer, us, them, heads_known)
     return "; ".join(diffs)
+
+
+def _block_size_refusal(ours: LayoutInfo, peer: LayoutInfo, us: str, them: str) -> list[str]:
+    """Why blocks of different sizes cannot be paired by token position ([] when they can)."""
+    sizes = f"block_size: {us} {ours.block_size} vs {them} {peer.block_size}"
+    why = sizes_problem(ours.block_size, peer.block_size)
+    if why:
+        return [f"{sizes}: {why}"]
+    if cross_layer(ours) or cross_layer(peer):
+        return [f"{sizes}: vLLM's cross-layer layout keeps every layer inside a block, so runs of tokens are not "
+                "paired across block sizes; start both engines with the same --block-size, or use the heads-outer "
+                "layout (kv_connector_extra_config kv_cache_layout: heads_outer)"]
+    out = []
+    for side, info in ((us, ours), (them, peer)):
+        if info.kv_heads != 1 and info.attn_layout not in (HEADS_OUTER, TOKENS_OUTER):
+            out.append(f"{sizes}: the {side}'s KV layout is {info.attn_layout or 'unknown'}, so its tokens are "
+                       "not one byte range per head or per block; use equal block sizes, or the heads-outer "
+                       "layout (kv_connector_extra_config kv_cache_layout: heads_outer)")
+    return out
 
 
 def _tp_refusal(ours: LayoutInfo, peer: LayoutInfo, us: str, them: str, heads_known: bool) -> list[str]:
@@ -125,9 +151,11 @@ def _tp_refusal(ours: LayoutInfo, peer: LayoutInfo, us: str, them: str, heads_kn
             out.append(f"{tp}: {exc}")
     if out:
         return out
-    if ours.block_bytes * peer.kv_heads != peer.block_bytes * ours.kv_heads:
-        out.append(f"{tp}: bytes per head differ ({us} {ours.block_bytes // ours.kv_heads} vs {them} "
-                   f"{peer.block_bytes // peer.kv_heads}); serve the same model with the same dtype on both engines")
+    if ours.block_bytes * peer.kv_heads * peer.block_size != peer.block_bytes * ours.kv_heads * ours.block_size:
+        out.append(f"{tp}: bytes per head and token differ ({us} "
+                   f"{ours.block_bytes // (ours.kv_heads * ours.block_size)} vs {them} "
+                   f"{peer.block_bytes // (peer.kv_heads * peer.block_size)}); serve the same model with the same "
+                   "dtype on both engines")
     for side, info, other in ((us, ours, peer), (them, peer, ours)):
         why = _side(side, info.kv_heads, info.attn_layout, other.kv_heads)
         if why:

@@ -28,6 +28,7 @@ from typing import Any
 
 import kvtransport as kvt
 
+from .block_sizes import read_segments
 from .context import WorkerContext
 from .kv_layout import block_segments, head_slice
 from .load_stats import Cause, LoadClock, record_load, record_transfer
@@ -334,13 +335,17 @@ class Consumer:
         for pc, p in zip(r.pieces, conns):
             piece = pc.piece
             try:
-                n = piece.num_heads or ours
-                lg = self.ctx.layer_group
-                local = block_segments(head_slice(self.ctx.local_layouts, ours, piece.local_head, n),
-                                       job.local_block_ids, job.group_sizes, lg)
-                theirs = p.info.kv_heads if p.info is not None else 0
-                remote = block_segments(head_slice(p.layouts, theirs, piece.remote_head, n or theirs),
-                                        job.remote_block_ids, job.group_sizes, lg)
+                if p.info is not None and self.ctx.layout is not None and p.info.block_size != self.ctx.layout.block_size:
+                    local, remote = read_segments(job, piece, self.ctx.local_layouts, self.ctx.layout, p.layouts,
+                                                  p.info)
+                else:
+                    n = piece.num_heads or ours
+                    lg = self.ctx.layer_group
+                    local = block_segments(head_slice(self.ctx.local_layouts, ours, piece.local_head, n),
+                                           job.local_block_ids, job.group_sizes, lg)
+                    theirs = p.info.kv_heads if p.info is not None else 0
+                    remote = block_segments(head_slice(p.layouts, theirs, piece.remote_head, n or theirs),
+                                            job.remote_block_ids, job.group_sizes, lg)
                 # the READ's own deadline is the load's (read the clock now: ``now`` was taken at
                 # the start of this progress call, and the core adds the timeout to its clock)
                 pc.transfer = self.ctx.agent.read(p.kvt_peer, local, remote,

@@ -67,7 +67,8 @@ FIX_FIREWALL = ("open TCP side_channel_port .. side_channel_port + DP size x TP 
                 "or use the address the engine advertises (side_channel_host / VLLM_HOST_IP)")
 FIX_ADDRESS = ("address the engine as it advertises itself: its side_channel_host and side_channel_port (+ rank), the "
                "remote_host / remote_port its kv_transfer_params name; a port forward or another host name is refused")
-FIX_LAYOUT = "serve the same model with the same dtype, block size and TP size on both engines"
+FIX_LAYOUT = ("serve the same model with the same dtype on both engines, with block sizes that divide one another "
+              "and TP sizes that split the KV heads evenly (the message names each difference)")
 FIX_BACKEND = ("set the same kv_connector_extra_config backend (and backend_options) on both engines and install "
                "the same kvtransport release on each")
 FIX_BACKEND_HERE = ("install the backend on the doctor's host (`kvtransport backends` says why it cannot run), run "

@@ -31,6 +31,7 @@ class Dest:
     readers: int = 1  # consumer ranks the hold serves (several when their TP is larger)
     group_sizes: list[int] = field(default_factory=list)  # hybrid: ids per KV cache group
     load: str = ""  # the consumer's load these blocks belong to (WriteReq.load)
+    first_token: int = 0  # the token block_ids[0] starts at (WriteReq.first_token)
 
 
 class HoldState(enum.Enum):

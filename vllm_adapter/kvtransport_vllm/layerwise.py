@@ -216,6 +216,8 @@ class LayerwiseWriter:
             dest = early[0][0]
             if dest.readers != 1 or dest.engine not in prod.consumer_md or dest.engine not in prod.consumer_layouts:
                 return  # several consumer ranks, or no hand-shake yet: the whole-request path
+            if ctx.layout is None or prod.consumer_layouts[dest.engine].block_size != ctx.layout.block_size:
+                return  # another block size: blocks pair by token position, in the whole-request path
             kw = self.keys.get(job.key)
             if kw is not None and (kw.dst_block_ids != dest.block_ids or kw.load != dest.load or kw.failed):
                 return  # another destination than the early writes went to, or one failed

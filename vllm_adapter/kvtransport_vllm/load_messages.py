@@ -82,7 +82,7 @@ class LoadMessages:
                 reply_host=self.ctx.cfg.side_channel_host, reply_port=self.ctx.port, rank=self.ctx.tp_rank,
                 readers=pc.readers, src_head=0 if whole else piece.remote_head,
                 dst_head=0 if whole else piece.local_head, num_heads=0 if whole else piece.num_heads,
-                load=r.token)))
+                load=r.token, first_token=r.job.first_token)))
         r.last_sent = now
 
     def cancel(self, r: Recv, now: float) -> None:

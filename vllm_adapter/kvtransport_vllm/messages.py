@@ -153,6 +153,8 @@ class WriteReq(Msg, tag="write_req"):
     group_sizes: list[int] = []
     #: the consumer's load asking (random per load), echoed in ``Written.load``
     load: str = ""
+    #: the token ``block_ids[0]`` starts at; used when the block sizes differ (block_sizes.py)
+    first_token: int = 0
 
 
 class Cancel(Msg, tag="cancel"):
@@ -302,6 +304,11 @@ class RecvJob:
     created_at: float = 0.0
     #: hybrid models: ids per KV cache group in the flat lists ([]: one group; kv_groups.py)
     group_sizes: list[int] = field(default_factory=list)
+    #: the token ``local_block_ids[0]`` starts at (blocks cached locally before it), and
+    #: the producer's block size the scheduler paired ``remote_block_ids`` for (0: ours);
+    #: another block size than ours pairs them by token position (block_sizes.py)
+    first_token: int = 0
+    remote_block_size: int = 0
 
 
 @dataclass

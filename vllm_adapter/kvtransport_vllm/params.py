@@ -63,6 +63,8 @@ class RemoteSource:
     remote_tp: int = 0  # the producer's TP size (0: not forwarded)
     #: the producer's block ids per KV cache group (one list for a model with one group)
     remote_block_groups: list[list[int]] = field(default_factory=list)
+    #: the producer's block size (0: not forwarded, assume ours; block_sizes.py)
+    remote_block_size: int = 0
 
 
 def parse_remote_source(params: dict[str, Any], request_id: str, mode: str, tp_size: int = 1) -> RemoteSource:
@@ -100,14 +102,16 @@ def parse_remote_source(params: dict[str, Any], request_id: str, mode: str, tp_s
         remote_tokens = params.get("remote_num_tokens")
         num_tokens = _integer(remote_tokens, 0, MAX_BLOCK_ID, "remote_num_tokens") if remote_tokens else None
         remote_tp = None if params.get("tp_size") is None else _integer(params["tp_size"], 1, MAX_TP, "tp_size")
+        block_size = params.get("remote_block_size")
+        remote_bs = 0 if block_size is None else _integer(block_size, 1, MAX_BLOCK_ID, "remote_block_size")
     except (TypeError, ValueError, OverflowError) as exc:
         raise KVTransferParamsError(
-            request_id, f"remote_block_ids / remote_num_tokens / tp_size: {exc}",
+            request_id, f"remote_block_ids / remote_num_tokens / tp_size / remote_block_size: {exc}",
             peer=peer, key=key) from None
     # A tp_size other than ours is a heterogeneous-TP load (tp_mapping); whether the heads
     # map is checked by the workers, which know the head count, at the hand-shake.
     return RemoteSource(peer, key, str(params.get("remote_engine_id") or ""), block_ids, num_tokens,
-                        remote_tp or 0, groups)
+                        remote_tp or 0, groups, remote_block_size=remote_bs)
 
 
 #: Bounds on numbers a router forwards (JSON allows huge ints and Infinity): a block id or

@@ -38,6 +38,7 @@ import kvtransport as kvt
 from .context import WorkerContext
 from .hold import Dest, Hold, HoldState
 from .kv_groups import align_tails, flatten, split
+from .block_sizes import paired_segments
 from .kv_layout import block_segments, head_slice, remote_layouts
 from .load_stats import HOLD_CAUSES, Cause, count_outcome, record_transfer
 from .messages import Hello, HoldJob, LayoutInfo, Msg, Reply, WriteReq, Written
@@ -207,9 +208,11 @@ class Producer:
     def _post_write(self, h: Hold, dest: Dest) -> None:
         """Called in POSTING, without the lock; leaves the hold POSTED, NOTIFY (refused)
         or HELD (nothing posted: the consumer's hand-shake has not arrived yet)."""
-        # each KV cache group's destination blocks pair with ours at the same positions (both
-        # lists end at the prompt's last block); a model with one group is one such group
-        paired = align_tails(split(h.block_ids, h.group_sizes), split(dest.block_ids, dest.group_sizes))
+        paired = self._pairs(h, dest)
+        if paired is None:
+            with self.ctx.lock:
+                h.state = HoldState.HELD  # hand-shake not seen yet (messages race); next step
+            return
         next_state, write = HoldState.NOTIFY, None
         fail: str | None = ""  # None: nothing left to post, every byte is already written
         h.posted_at = time.monotonic()  # POSTING: only this thread touches the hold
@@ -237,6 +240,21 @@ class Producer:
             elif next_state is HoldState.NOTIFY:
                 h.write_ok, h.write_reason, h.last_sent = fail is None, fail or "", 0.0
 
+    def _pairs(self, h: Hold, dest: Dest) -> tuple[list[list[int]], list[list[int]]] | str | None:
+        """Our blocks and the consumer's, paired (a message when they cannot be; None before
+        its hand-shake). Equal block sizes: each KV cache group's destination blocks pair
+        with ours at the same positions (both lists end at the prompt's last block). Other
+        block sizes: the whole lists, paired by token position in :meth:`_write`."""
+        info = self.consumer_layouts.get(dest.engine)
+        if info is None or self.ctx.layout is None:
+            return None
+        if info.block_size == self.ctx.layout.block_size:
+            return align_tails(split(h.block_ids, h.group_sizes), split(dest.block_ids, dest.group_sizes))
+        if h.group_sizes or dest.group_sizes:
+            return (f"block sizes {self.ctx.layout.block_size} (producer) and {info.block_size} (consumer): a model "
+                    "with several KV cache groups is moved between engines of the same --block-size only")
+        return [list(h.block_ids)], [list(dest.block_ids)]
+
     def _write(self, dest: Dest, src_groups: list[list[int]], dst_groups: list[list[int]]) -> tuple[Any, HoldState]:
         engine = dest.engine
         peer = self.consumer_peers.get(engine)
@@ -249,6 +267,12 @@ class Producer:
             peer = reconnect(self.ctx.agent, md, self.retired_peers.pop(engine, None))
             self.consumer_peers[engine] = peer
         info = self.consumer_layouts[engine]
+        if self.ctx.layout is not None and info.block_size != self.ctx.layout.block_size:
+            local, remote = paired_segments(self.ctx.local_layouts, self.ctx.layout, src_groups[0], 0,
+                                            remote_layouts(peer, info), info, dst_groups[0], dest.first_token,
+                                            dest.src_head, dest.dst_head, dest.num_heads)
+            return (self.ctx.agent.write(peer, local, remote, timeout=self.ctx.cfg.transfer_timeout_s),
+                    HoldState.POSTED)
         ours = self.ctx.layout.kv_heads if self.ctx.layout is not None else 0
         n = dest.num_heads
         lg = self.ctx.layer_group
@@ -413,7 +437,7 @@ class Producer:
 
     def answer_write_req(self, msg: WriteReq, now: float) -> str:
         dest = Dest(msg.engine_id, list(msg.block_ids), msg.reply_host, msg.reply_port, msg.rank, msg.src_head,
-                    msg.dst_head, msg.num_heads, msg.readers, list(msg.group_sizes), msg.load)
+                    msg.dst_head, msg.num_heads, msg.readers, list(msg.group_sizes), msg.load, msg.first_token)
         lease = now + self.ctx.cfg.lease_s
         h = self.holds.get(msg.key)
         if h is not None:

@@ -150,12 +150,31 @@ class KVTransportScheduler:
         sizes: list[int] = []
         # blocks that will hold the loaded tokens (a local prefix hit is whole blocks)
         need = -(-(n_local_cached * self.block_size + num_external_tokens) // self.block_size) - n_local_cached
+        remote_bs = src.remote_block_size or self.block_size
+        if remote_bs != self.block_size and len(self.groups) > 1:
+            self._fail_load(request, unhashed,
+                            f"the producer's block size is {remote_bs}, this engine's {self.block_size}: a model with "
+                            "several KV cache groups (sliding window, Mamba state) is moved between engines of the "
+                            "same --block-size only", release=src)
+            return
         if self._has_state and src.remote_tp and src.remote_tp != self.tp_size:
             self._fail_load(request, unhashed,
                             f"the producer runs TP {src.remote_tp}, this engine TP {self.tp_size}: the Mamba / SSM "
                             "state of a hybrid model is moved between engines of the same TP size only", release=src)
             return
-        if self.cfg.mode == "read":
+        if self.cfg.mode == "read" and remote_bs != self.block_size:
+            # another block size: the producer's blocks holding our tokens, paired by token
+            # position in the workers (block_sizes.py)
+            first, end = n_local_cached * self.block_size, n_local_cached * self.block_size + num_external_tokens
+            r0, r1 = first // remote_bs, -(-end // remote_bs)
+            if len(src.remote_block_ids) < r1:
+                self._fail_load(request, unhashed,
+                                f"the producer sent {len(src.remote_block_ids)} block ids of {remote_bs} tokens for "
+                                f"{end} tokens, which need {r1}: remote_block_ids must list every block of the "
+                                "prefill", release=src)
+                return
+            local, remote = local[:need], src.remote_block_ids[r0:r1]
+        elif self.cfg.mode == "read":
             state = {g for g, info in enumerate(self.groups) if info.state}
             short = [g for g, ids in enumerate(src.remote_block_groups)
                      if g not in state and len(ids) < n_local_cached + need]
@@ -166,7 +185,9 @@ class KVTransportScheduler:
                                 f"the producer sent {len(src.remote_block_groups[short[0]])} block ids (KV cache "
                                 f"group {short[0]}) for {n_local_cached * self.block_size + num_external_tokens} "
                                 f"tokens, which need {n_local_cached + need} blocks of {self.block_size}: "
-                                "remote_block_ids must list every block of the prefill", release=src)
+                                "remote_block_ids must list every block of the prefill (with the prefill's "
+                                "--block-size larger than ours, the router must forward remote_block_size)",
+                                release=src)
                 return
         if len(self.groups) > 1:
             # hybrid: every group's blocks from the first block not cached locally, paired
@@ -185,7 +206,7 @@ class KVTransportScheduler:
                 remote, _ = flatten(re)
             else:
                 local, sizes = flatten(clip_windows(per_group, self.groups, n_local_cached))
-        elif self.cfg.mode == "read":
+        elif self.cfg.mode == "read" and remote_bs == self.block_size:
             remote = src.remote_block_ids[n_local_cached : n_local_cached + len(local)]
             local = local[: len(remote)]
         self.loading[request.request_id] = src.key
@@ -202,6 +223,8 @@ class KVTransportScheduler:
                 remote_tp=src.remote_tp,
                 created_at=time.time(),
                 group_sizes=sizes,
+                first_token=n_local_cached * self.block_size,
+                remote_block_size=remote_bs,
             )
         )
 
@@ -310,6 +333,7 @@ class KVTransportScheduler:
             "lease_expires_at": time.time() + self.cfg.lease_s,
             "kvtransport_mode": self.cfg.mode,
             "tp_size": self.tp_size,
+            "remote_block_size": self.block_size,
         }
 
     def update_connector_output(self, connector_output: Any) -> None:
