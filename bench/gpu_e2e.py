@@ -4,7 +4,8 @@ checked against a reference engine, the load wait printed beside raw NIXL.
 
     python bench/gpu_e2e.py --model /models/Llama-3.1-8B-Instruct     # a local model directory
 
-What it runs (``--backends``, ``--modes``, ``--paths`` choose a subset):
+What it runs (``--backends``, ``--modes``, ``--paths`` choose a subset; ``--decode-block-size``
+starts the decode engines with another block size, paired by token position):
 
 1. a **reference** engine (no connector) on GPU 0 answers every prompt, greedy;
 2. for each backend (``ucx``, ``nixl``) x mode (``read``, ``write``) x path (``direct``:
@@ -102,6 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-blocks", type=int, default=64, help="each prompt is this many KV blocks plus one token")
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt, compared")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--decode-block-size", type=int, default=0,
+                   help="the decode engines' --block-size (default: --block-size); one must divide the other")
     p.add_argument("--dtype", default="auto", help="vLLM's --dtype (auto: the model's)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85,
@@ -117,6 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("prompts", "prompt_blocks", "max_tokens", "block_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    d = args.decode_block_size
+    if d < 0 or (d and d % args.block_size and args.block_size % d):
+        p.error(f"--decode-block-size {d} and --block-size {args.block_size}: one must divide the other")
     if not 0 < args.gpu_memory_utilization <= 1:
         p.error("--gpu-memory-utilization must be in (0, 1]")
     if prompt_len(args) + args.max_tokens > args.max_model_len:
@@ -201,10 +207,12 @@ class EngineSpec:
     gpu_memory_utilization: float
     kv_transfer_config: dict[str, Any] | None = None
     env: dict[str, str] = field(default_factory=dict)
+    block_size: int = 0  # 0: --block-size
 
     def extra_args(self, args: argparse.Namespace) -> list[str]:
         """vLLM flags on top of the harness's (later flags win: dtype, block size, length)."""
-        out = ["--dtype", args.dtype, "--block-size", str(args.block_size), "--max-model-len", str(args.max_model_len)]
+        block = self.block_size or args.block_size
+        out = ["--dtype", args.dtype, "--block-size", str(block), "--max-model-len", str(args.max_model_len)]
         if args.memory == "cuda":
             out += ["--gpu-memory-utilization", f"{self.gpu_memory_utilization:.3f}"]
         return out
@@ -253,7 +261,7 @@ def plan(args: argparse.Namespace, gpus: int, secret: str, port: Any) -> tuple[E
                                  kv_config("kv_producer", mode, backend, port(), staged and mode == "write"),
                                  dict(env))
                 dec = EngineSpec(f"decode-{tag}", 0, share, kv_config("kv_consumer", mode, backend, port(), staged),
-                                 dict(env))
+                                 dict(env), args.decode_block_size)
                 cases.append(Case(backend, mode, path, pre, dec, sequential=not two))
     return reference, cases
 

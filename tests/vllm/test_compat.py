@@ -51,15 +51,22 @@ def test_each_difference_is_named_with_both_values_and_the_fix(field, a, b, fix)
 def test_block_sizes_that_divide_one_another_pair_by_token_position():
     """16 and 32 tokens a block (the same bytes per token) pair; the bytes per token must
     still agree, and the tokens must lie in one range per head or per block."""
-    b16, b32 = _info(), _info(block_size=32, block_bytes=2 * _info().block_bytes)
+    gpu = dict(attn_backends=["FLASH_ATTN"])
+    b16, b32 = _info(**gpu), _info(block_size=32, block_bytes=2 * _info().block_bytes, **gpu)
     assert refusal(b16, b32) == refusal(b32, b16) == ""
-    tp2 = _info(block_size=32, tp_size=2, kv_heads=2, block_bytes=b16.block_bytes)  # half the heads, twice the tokens
+    tp2 = _info(block_size=32, tp_size=2, kv_heads=2, block_bytes=b16.block_bytes, **gpu)  # half the heads
     assert refusal(b16, tp2) == refusal(tp2, b16) == ""
-    assert "8192 per 16 tokens vs prefill 8192 per 32" in refusal(b16, _info(block_size=32), "decode", "prefill")
+    assert "8192 per 16 tokens vs prefill 8192 per 32" in refusal(b16, _info(block_size=32, **gpu), "decode", "prefill")
     for layout in (KV_OUTER, AMBIGUOUS):
-        why = refusal(_info(attn_layout=layout), _info(attn_layout=layout, block_size=32,
-                                                       block_bytes=b32.block_bytes), "decode", "prefill")
-        assert f"block_size: decode 16 vs prefill 32" in why and f"KV layout is {layout}" in why, why
+        why = refusal(_info(attn_layout=layout, **gpu), _info(attn_layout=layout, block_size=32,
+                                                               block_bytes=b32.block_bytes, **gpu), "decode", "prefill")
+        assert "block_size: decode 16 vs prefill 32" in why and f"KV layout is {layout}" in why, why
+    # vLLM's CPU backend packs keys per instruction set; an unknown backend is not guessed
+    for backends, named in ((["CPU_ATTN"], "CPU_ATTN does not keep each token as a row"), ([], "not known")):
+        why = refusal(b16, _info(block_size=32, block_bytes=b32.block_bytes, attn_backends=backends),
+                      "decode", "prefill")
+        assert "prefill's blocks cannot be paired by token position" in why and named in why, why
+        assert "same --block-size" in why
 
 
 def test_unknown_fields_are_not_compared():

@@ -184,8 +184,9 @@ def test_peer_conn_logs_repeated_refusal_once(caplog):
     for msg in ["refused: A", "refused: A", "refused: A", "refused: B", "refused: B"]:
         p.fail(msg)
         assert p.state == "failed" and p.error == msg  # every refusal still fails the hand-shake
-    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    ours = [r for r in caplog.records if r.name == "kvtransport_vllm.producer_peers"]
+    errors = [r.getMessage() for r in ours if r.levelno == logging.ERROR]
+    debug = [r.getMessage() for r in ours if r.levelno == logging.DEBUG]
     assert errors == ["refused: A", "refused: B"]
     assert len(debug) == 3 and all("repeated" in m for m in debug)
 

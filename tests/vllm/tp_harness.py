@@ -98,6 +98,21 @@ def heads_of_rank(total: int, tp: int, rank: int) -> list[int]:
     return [rank // (tp // total)]
 
 
+class RowsBackend:
+    """Stands in for the attention backend of the stand-in forward's cache: each token's K
+    and V one row of a head's block (vLLM's layout contract ``[blocks, heads, tokens, K|V]``,
+    which FlashAttention follows; vLLM's CPU backend packs keys instead). The connector
+    learns the backend from vLLM's forward context, as in an engine."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASH_ATTN"
+
+
+class _StandInLayer:
+    attn_backend = RowsBackend
+
+
 @contextlib.contextmanager
 def _as_rank(rank: int, tp: int) -> Iterator[None]:
     real = connector_mod._tp_info
@@ -187,6 +202,7 @@ class TPEngine:
                          kv_transfer_config=ktc, device_config=DeviceConfig("cpu"))
         cfg.parallel_config.tensor_parallel_size = self.tp
         cfg.cache_config.num_gpu_blocks = self.num_blocks
+        cfg.compilation_config.static_forward_context.update({f"layers.{i}": _StandInLayer for i in range(NUM_LAYERS)})
         return cfg
 
     def free_blocks(self) -> int:

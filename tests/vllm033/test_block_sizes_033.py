@@ -1,5 +1,7 @@
 """Different block sizes under vLLM 0.33's KV cache layouts (tensors planned and allocated
-by vLLM 0.33's own code, strided per layout).
+by vLLM 0.33's own code, strided per layout), read as the layout contract its GPU backends
+follow: logical ``[blocks, heads, tokens, K|V]``, each token one row (vLLM's CPU backend,
+which packs keys, is refused at the hand-shake instead).
 
 Two loopback agents register one engine's caches with 16-token blocks and another's with
 32-token blocks, in the layout the connector requests (``LBHNC``: heads outside tokens) and

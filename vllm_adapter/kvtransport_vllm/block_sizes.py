@@ -18,16 +18,25 @@ Both sides list their ranges in the same order (layer, part, run, head), so the 
 pairs them one to one and merges what is contiguous on both sides. Everything is numpy
 over runs x heads x parts x layers: no Python loop per block.
 
+Only attention backends known to keep each token as one row of a block take part
+(:data:`TOKEN_ROW_BACKENDS`: vLLM's GPU backends, whose caches follow vLLM's layout of
+``[blocks, heads, tokens, K|V]`` up to the order of the dimensions, or FlashAttention's
+separate K and V of ``[blocks, tokens, heads, head_size]``). vLLM's CPU backend is not one:
+it packs a block's keys in an order of its own per instruction set, which changes with the
+block size (measured: a key written to slot ``s`` of a 32-token block is not at row ``s``).
+A backend outside the list, or not known, is refused rather than guessed.
+
 Refused (the hand-shake or the load says which and why): block sizes of which neither
-divides the other, vLLM's cross-layer layout, models with several KV cache groups
-(hybrid: sliding window, Mamba state), and layouts that do not say where heads lie.
+divides the other, attention backends not in the list, vLLM's cross-layer layout, models
+with several KV cache groups (hybrid: sliding window, Mamba state), and layouts that do not
+say where heads lie.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -39,12 +48,43 @@ if TYPE_CHECKING:  # .messages imports vLLM; this module must import without it 
     from .messages import LayoutInfo, RecvJob
     from .tp_mapping import Piece
 
-__all__ = ["BlockSizeError", "TokenRuns", "sizes_problem", "pair_by_token", "run_segments", "paired_segments",
+#: vLLM attention backends (``get_name()``) whose blocks keep each token's K and V as rows
+TOKEN_ROW_BACKENDS = frozenset({
+    "FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION", "ROCM_ATTN", "ROCM_AITER_FA",
+    "ROCM_AITER_UNIFIED_ATTN", "TRITON_MLA", "FLASHMLA", "FLASH_ATTN_MLA", "FLASHINFER_MLA", "CUTLASS_MLA",
+    "ROCM_AITER_MLA"})
+
+__all__ = ["BlockSizeError", "TokenRuns", "TOKEN_ROW_BACKENDS", "attention_backends", "backends_problem",
+           "sizes_problem", "pair_by_token", "run_segments", "paired_segments",
            "read_segments"]
 
 
 class BlockSizeError(ValueError):
     """Blocks of these sizes or layouts cannot be paired by token position."""
+
+
+def attention_backends(vllm_config: Any, layer_names: Iterable[str]) -> list[str]:
+    """The names of the attention backends vLLM chose for these layers (its forward
+    context, filled once the model is built); [] where none is known (a worker without a
+    model, e.g. a tool)."""
+    context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+    names = set()
+    for name in layer_names:
+        backend = getattr(context.get(name), "attn_backend", None)
+        if backend is not None and hasattr(backend, "get_name"):
+            names.add(str(backend.get_name()))
+    return sorted(names)
+
+
+def backends_problem(backends: Sequence[str]) -> str:
+    """Why blocks of these attention backends cannot be paired by token ("" when they can)."""
+    if not backends:
+        return "its attention backend is not known"
+    other = [b for b in backends if b not in TOKEN_ROW_BACKENDS]
+    if other:
+        return (f"its attention backend {', '.join(other)} does not keep each token as a row of a block (vLLM's CPU "
+                "backend packs keys per instruction set)")
+    return ""
 
 
 def sizes_problem(ours: int, theirs: int) -> str:

@@ -9,7 +9,7 @@ Compared: served model name, model dtype, KV cache dtype, whether the layers
 of a block lie together (vLLM's cross-layer layout), layer count, K/V split, total KV
 heads, head size, the attention layout inside a block; block sizes must be equal or
 divide one another (:mod:`.block_sizes` pairs them by token position, which needs
-tokens in one range per head or per block); with equal TP
+attention backends that keep tokens as rows, in one range per head or per block); with equal TP
 sizes the bytes per token; with different TP sizes the head split (:mod:`.tp_mapping`)
 and whether the side that must send or receive part of its heads keeps them as one byte
 range per block (``kv_layout.HEADS_OUTER``). Fields a side does not know ("" / 0: a
@@ -18,7 +18,7 @@ worker built without a model config) are not compared.
 
 from __future__ import annotations
 
-from .block_sizes import sizes_problem
+from .block_sizes import backends_problem, sizes_problem
 from .kv_layout import HEADS_OUTER, TOKENS_OUTER
 from .messages import LayoutInfo
 from .tp_mapping import TPMappingError, check_mapping
@@ -131,7 +131,11 @@ def _block_size_refusal(ours: LayoutInfo, peer: LayoutInfo, us: str, them: str) 
                 "layout (kv_connector_extra_config kv_cache_layout: heads_outer)"]
     out = []
     for side, info in ((us, ours), (them, peer)):
-        if info.kv_heads != 1 and info.attn_layout not in (HEADS_OUTER, TOKENS_OUTER):
+        why = backends_problem(info.attn_backends)
+        if why:
+            out.append(f"{sizes}: the {side}'s blocks cannot be paired by token position: {why}; start both "
+                       "engines with the same --block-size")
+        elif info.kv_heads != 1 and info.attn_layout not in (HEADS_OUTER, TOKENS_OUTER):
             out.append(f"{sizes}: the {side}'s KV layout is {info.attn_layout or 'unknown'}, so its tokens are "
                        "not one byte range per head or per block; use equal block sizes, or the heads-outer "
                        "layout (kv_connector_extra_config kv_cache_layout: heads_outer)")

@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from .block_sizes import attention_backends
 from .config import ConnectorConfig, ConnectorConfigError, data_parallel_rank
 from .kv_groups import check_group_kinds, group_infos
 from .layerwise import LayerwisePlanner
@@ -230,7 +231,7 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
             except ValueError as exc:
                 raise ConnectorConfigError(f"KVTransportConnector cannot move this hybrid model's Mamba state: {exc}") \
                     from exc
-        self._worker.register_kv_caches(kv_caches)
+        self._worker.register_kv_caches(kv_caches, attention_backends(self._vllm_config, kv_caches))
 
     def _meta(self) -> KVTransportMetadata | None:
         meta = self._connector_metadata

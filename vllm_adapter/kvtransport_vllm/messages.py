@@ -71,6 +71,8 @@ class LayoutInfo(msgspec.Struct, frozen=True):
     kv_heads: int = 0  # KV heads this rank holds
     head_size: int = 0
     attn_layout: str = ""  # where heads lie inside a block (kv_layout.HEADS_OUTER, ...)
+    #: vLLM's attention backends of these layers (block_sizes.TOKEN_ROW_BACKENDS; []: not known)
+    attn_backends: list[str] = []
 
     def mismatch(self, other: LayoutInfo) -> str:
         """Human-readable differences that make a transfer impossible ("" if none)."""

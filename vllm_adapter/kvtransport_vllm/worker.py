@@ -139,7 +139,9 @@ class KVTransportWorker:
         return self.ctx.layout
 
     # ------------------------------------------------------------------ set-up
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, Any], attn_backends: list[str] | None = None) -> None:
+        """``attn_backends``: the names of vLLM's attention backends of these layers (which
+        decide whether engines of different block sizes can pair; block_sizes.py)."""
         m = self.model
         layers = describe_kv_caches(kv_caches, self.num_blocks, m.kv_heads if m else 0, self.block_size)
         check_uniform(layers)
@@ -185,6 +187,7 @@ class KVTransportWorker:
             kv_heads=m.kv_heads if m else 0,
             head_size=m.head_size if m else 0,
             attn_layout=layers[0].attn_layout,
+            attn_backends=list(attn_backends or []),
         )
         ctx.agent_md = ctx.agent.metadata()
         self._start_layerwise(list(kv_caches))
