@@ -75,15 +75,15 @@ def test_bad_layout_setting_fails_start_up_naming_the_choices():
             FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=HEAD_SIZE, dtype=torch.float32)])
 
 
-def _pair(mode: str, p: int, d: int, heads: int = 4):
+def _pair(mode: str, p: int, d: int, heads: int = 4, p_block: int = 16, d_block: int = 16):
     base = free_port_base(16)
     common = {"backend": "loopback", "mode": mode, "transfer_timeout_s": 10.0, "lease_s": 120.0,
               "side_channel_host": "127.0.0.1"}
     P = FlashEngine033("kv_producer", {**common, "side_channel_port": base}, tp=p, total_kv_heads=heads,
-                       engine_id="P")
+                       engine_id="P", block_size=p_block)
     try:
         C = FlashEngine033("kv_consumer", {**common, "side_channel_port": base + 8}, tp=d, total_kv_heads=heads,
-                           engine_id="C")
+                           engine_id="C", block_size=d_block)
     except BaseException:
         P.close()
         raise
@@ -113,6 +113,21 @@ def test_hetero_tp_pair_on_the_flash_attention_layout_we_request(mode, p, d):
             t = e.caches[0]["layers.0"]  # [block, head, token, K+V]: heads outside tokens
             assert t.stride(1) == t.shape[2] * t.stride(2) and t.stride(0) == t.shape[1] * t.stride(1)
         _load_exact(P, C, prompt_of(70, seed=p * 10 + d))
+    finally:
+        P.close()
+        C.close()
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+@pytest.mark.parametrize("p, d, p_block, d_block", [(1, 1, 16, 32), (2, 1, 32, 16), (1, 2, 16, 64)],
+                         ids=["bs16to32", "tp2to1-bs32to16", "tp1to2-bs16to64"])
+def test_different_block_sizes_on_the_flash_attention_layout(mode, p, d, p_block, d_block):
+    """Engines of different block sizes, on the layout vLLM 0.33 resolves for FlashAttention
+    (a backend that keeps tokens as rows): every token lands in its block and slot."""
+    P, C = _pair(mode, p, d, p_block=p_block, d_block=d_block)
+    try:
+        assert P.layout.name == C.layout.name == "LBHNC"
+        _load_exact(P, C, prompt_of(150, seed=p_block + d_block))
     finally:
         P.close()
         C.close()
