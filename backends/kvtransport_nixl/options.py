@@ -58,6 +58,7 @@ SCHEMA = OptionsSchema(
     Option("inline_post_bytes", 16 << 20, integer(0)),
     Option("close_grace_s", 2.0, number(ge=0), check_default=True),
     Option("device_memory", "auto", one_of(*DEVICE_MEMORY)),
+    Option("tcp_user_timeout_s", 30.0, number(ge=0), check_default=True),
 )
 KNOWN = SCHEMA.known
 
@@ -88,6 +89,8 @@ class NixlOptions:
     close_grace_s: float = 2.0
     #: The ``device_memory`` option as given; ``ucx_env["TLS"]`` already holds what it added.
     device_memory: str = "auto"
+    #: ``UCX_TCP_USER_TIMEOUT`` of the UCX plugin (0: the kernel's): already in ``ucx_env``
+    tcp_user_timeout_s: float = 30.0
 
     def params_for(self, plugin: str) -> dict[str, str]:
         return dict(self.plugin_params.get(plugin, {}))
@@ -109,6 +112,13 @@ def parse_options(options: Mapping[str, Any], environ: Mapping[str, str] = os.en
             raise SCHEMA.error(f"plugin_params[{plugin!r}] must be a mapping of parameter -> value, got {params!r}")
         pp[plugin] = {str(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in params.items()}
     env = ucx_settings(o["ucx_config"], "nixl")
+    user_timeout = o["tcp_user_timeout_s"]
+    if "UCX" in backends and user_timeout > 0 and "UCX_TCP_USER_TIMEOUT" not in environ:
+        # NIXL cannot abort a posted transfer: over tcp a READ or WRITE across a dead link
+        # ends only when the kernel gives up on the connection, by default after ~15 min of
+        # retransmissions (net.ipv4.tcp_retries2). Unacknowledged data closes the socket
+        # after this long instead, so UCX fails the request and the memory is quiesced.
+        env.setdefault("TCP_USER_TIMEOUT", f"{int(round(user_timeout * 1000))}ms")
     if o["tls"] is not None:
         env["TLS"] = tls_setting(o["tls"], "nixl")
     if env.get("TLS") and "UCX" in backends and not reports_peer_failure(env["TLS"]):
@@ -121,7 +131,7 @@ def parse_options(options: Mapping[str, Any], environ: Mapping[str, str] = os.en
         if tls is not None:
             env["TLS"] = tls
     return NixlOptions(backends, o["progress_thread"], o["num_threads"], pp, env, o["liveness_interval_s"],
-                       o["inline_post_bytes"], o["close_grace_s"], device)
+                       o["inline_post_bytes"], o["close_grace_s"], device, user_timeout)
 
 
 def plugin_params(opts: NixlOptions, info: probe.PluginInfo, plugin: str) -> dict[str, str]:

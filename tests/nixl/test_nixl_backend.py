@@ -263,6 +263,26 @@ def test_plugin_params_reach_nixl_and_data_still_moves():
         assert dst.tobytes() == src.tobytes()
 
 
+def test_tcp_user_timeout_bounds_a_transfer_nixl_cannot_abort():
+    """NIXL cannot abort a posted transfer; over tcp across a dead link it would wait for the
+    kernel's retransmissions (~15 min). The agent's UCX gets TCP_USER_TIMEOUT (default 30 s)
+    unless the caller or the environment chose one; 0 leaves the kernel's default. (The
+    link-flap test, tests/e2e/test_link_flap.py, shows the effect across a real cut.)"""
+    from kvtransport_nixl.options import parse_options
+
+    def env(options, environ=None):
+        return parse_options(options, environ={} if environ is None else environ,
+                             kinds_here=frozenset).ucx_env
+
+    assert env({})["TCP_USER_TIMEOUT"] == "30000ms"
+    assert env({"tcp_user_timeout_s": 2.5})["TCP_USER_TIMEOUT"] == "2500ms"
+    assert "TCP_USER_TIMEOUT" not in env({"tcp_user_timeout_s": 0})
+    assert env({"ucx_config": {"TCP_USER_TIMEOUT": "5s"}})["TCP_USER_TIMEOUT"] == "5s"  # the caller's own
+    assert "TCP_USER_TIMEOUT" not in env({}, {"UCX_TCP_USER_TIMEOUT": "1m"})  # the environment's stands
+    with pytest.raises(errors.BackendOptionError, match="tcp_user_timeout_s"):
+        parse_options({"tcp_user_timeout_s": -1}, environ={}, kinds_here=frozenset)
+
+
 def _threads() -> set[str]:
     return set(os.listdir("/proc/self/task"))
 

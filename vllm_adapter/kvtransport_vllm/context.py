@@ -35,7 +35,8 @@ class WorkerContext:
     tp_size: int = 1
     lock: threading.RLock = field(default_factory=threading.RLock)
     stats: dict[str, Any] = field(default_factory=new_stats)
-    agent: Any = None
+    #: this worker's transport (None before the KV caches are registered and after shutdown)
+    agent: kvt.Agent | None = None
     layout: LayoutInfo | None = None
     local_layouts: list[kvt.BlockLayout] = field(default_factory=list)
     #: KV cache group of each layer of local_layouts (hybrid models; []: all in group 0)

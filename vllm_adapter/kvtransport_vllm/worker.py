@@ -128,7 +128,7 @@ class KVTransportWorker:
 
     # ------------------------------------------------------------------ shared state
     @property
-    def agent(self) -> Any:
+    def agent(self) -> kvt.Agent | None:
         """This worker's kvtransport agent (None before the KV caches are registered and
         after shutdown): its ``stats()`` and peers are the transport's own view."""
         return self.ctx.agent
