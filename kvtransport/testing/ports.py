@@ -6,17 +6,27 @@ draws from for every outgoing connection and every other ``bind(0)``. Between ch
 a port and a server binding it, another socket can take it (seen in CI: "Address already in
 use" for a side channel whose port was picked while UCX, ZMQ and vLLM opened connections).
 Ports below that range are taken only by servers asking for them by number.
+
+The last ranges handed out by this process are not handed out again: a test that picks
+several ports before starting its servers (an engine pair and a proxy) would otherwise get
+the same port twice now and then, since nothing binds them until the servers start. Only
+recent ones: a long test session would otherwise run out of ports below the range.
 """
 
 from __future__ import annotations
 
 import random
 import socket
+import threading
+from collections import deque
 from pathlib import Path
 
 __all__ = ["free_port_range"]
 
 _RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+#: the port ranges this process handed out last (not handed out again while listed)
+_RECENT: deque[range] = deque(maxlen=64)
+_LOCK = threading.Lock()
 
 
 def _ephemeral_low() -> int:
@@ -36,11 +46,16 @@ def free_port_range(n: int = 1) -> int:
     rng = random.Random()
     for _ in range(200):
         base = rng.randrange(lowest, low - n)
-        try:
-            for port in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("", port))  # every interface: workers with no host listen on all
+        ports = range(base, base + n)
+        with _LOCK:
+            if any(r.start < ports.stop and ports.start < r.stop for r in _RECENT):
+                continue
+            try:
+                for port in ports:
+                    with socket.socket() as s:
+                        s.bind(("", port))  # every interface: workers with no host listen on all
+            except OSError:
+                continue
+            _RECENT.append(ports)
             return base
-        except OSError:
-            continue
     raise RuntimeError(f"no {n} consecutive free ports between {lowest} and {low}")
