@@ -117,6 +117,8 @@ class ProxyConfig:
     #: the order of the URLs.
     prefill_side_channels: list[str] = field(default_factory=list)
     decode_side_channels: list[str] = field(default_factory=list)
+    #: "wait" (the first token comes from the decode engine) or "handover" (from the prefill's answer)
+    first_token: str = "wait"
     _prefill_rr: Any = field(init=False, repr=False)
     _decode_rr: Any = field(init=False, repr=False)
 
@@ -125,6 +127,11 @@ class ProxyConfig:
             raise ValueError("need at least one --prefill URL and one --decode URL")
         if self.flow not in FLOWS:
             raise ValueError(f"--flow {self.flow!r}: expected one of {', '.join(FLOWS)}")
+        if self.first_token not in ("wait", "handover"):
+            raise ValueError(f"--first-token {self.first_token!r}: expected wait or handover")
+        if self.first_token == "handover" and self.flow == "router":
+            raise ValueError("--first-token handover needs the two-hop flow: the router flow does not wait for "
+                             "the prefill's answer, which carries the first token")
         self.prefill_urls = [u.rstrip("/") for u in self.prefill_urls]
         self.decode_urls = [u.rstrip("/") for u in self.decode_urls]
         pre_sc = [parse_side_channel(t, "--prefill-side-channel") for t in self.prefill_side_channels]
@@ -192,6 +199,98 @@ def make_decode_request(body: dict[str, Any], kv_transfer_params: dict[str, Any]
     req = copy.deepcopy(body)
     req["kv_transfer_params"] = kv_transfer_params
     return req
+
+
+# -- first-token hand-over (``--first-token handover``) --------------------------------
+# Why: the prefill engine has already sampled the first token when it answers the prefill
+# hop. Without a hand-over the client also waits for the decode engine to load the prompt's
+# KV and run a step before it sees any token. With it, the proxy sends the prefill's first
+# token at once (the first streamed event) and asks the decode engine to continue from
+# prompt + first token: it loads the prompt's KV (the prefill's kv_transfer_params name
+# the prompt's blocks and tokens), computes the first token's KV itself and samples the
+# second. Under greedy sampling the tokens are one engine's; the time to first token is
+# the prefill's. Only requests whose two answers need no token-by-token merge qualify
+# (handover_refusal); the others take the ordinary two hops.
+HANDOVER_PATH = "/v1/completions"
+#: request fields the hand-over cannot honour across two answers
+_UNSUPPORTED = ("echo", "logprobs", "best_of", "stop", "min_tokens", "prompt_logprobs")
+
+
+def handover_refusal(path: str, body: dict[str, Any]) -> str:
+    """Why this request takes the ordinary two hops ("" when it is handed over)."""
+    if path != HANDOVER_PATH:
+        return f"{path}: only {HANDOVER_PATH} is handed over"
+    prompt = body.get("prompt")
+    one = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt))
+    if not one:
+        return "not one prompt"
+    if int(body.get("n") or 1) != 1:
+        return "n > 1"
+    if any(body.get(k) not in (None, False, [], "") for k in _UNSUPPORTED):
+        return "echo / logprobs / best_of / stop / min_tokens given"
+    if int(body.get("max_tokens") or 16) < 2:
+        return "max_tokens < 2: the prefill's answer is the whole answer"
+    return ""
+
+
+def handover_prefill_request(base: dict[str, Any]) -> dict[str, Any]:
+    """The prefill hop (already made by the proxy) asking for the token ids too."""
+    req = copy.deepcopy(base)
+    req["return_token_ids"] = True
+    return req
+
+
+def first_token_of(prefill_answer: dict[str, Any]) -> tuple[list[int], int, str, str | None]:
+    """(prompt token ids, first token id, its text, its finish reason) from the prefill's
+    answer; ValueError when the engine did not return the token ids."""
+    choice = (prefill_answer.get("choices") or [{}])[0]
+    prompt_ids = choice.get("prompt_token_ids") or prefill_answer.get("prompt_token_ids")
+    ids = choice.get("token_ids")
+    if not prompt_ids or not ids:
+        raise ValueError("the prefill engine returned no prompt_token_ids / token_ids (return_token_ids): a vLLM "
+                         "that does not support it cannot hand the first token over")
+    return list(prompt_ids), int(ids[0]), str(choice.get("text") or ""), choice.get("finish_reason")
+
+
+def continuation_request(body: dict[str, Any], prompt_ids: list[int], first: int,
+                         kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+    """The decode hop: prompt + first token, one token fewer to generate, and the prefill's
+    kv_transfer_params (the prompt's KV)."""
+    req = copy.deepcopy(body)
+    req["prompt"] = [*prompt_ids, first]
+    req["max_tokens"] = int(body.get("max_tokens") or 16) - 1
+    req["kv_transfer_params"] = kv_transfer_params
+    return req
+
+
+def first_token_event(prefill_answer: dict[str, Any], text: str, token: int, finish_reason: str | None,
+                      with_ids: bool) -> bytes:
+    """The first server-sent event of a streamed answer: the first token (its id too when
+    the client asked for token ids)."""
+    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    if with_ids:
+        choice["token_ids"] = [token]
+    event = {"id": prefill_answer.get("id"), "object": "text_completion", "created": prefill_answer.get("created"),
+             "model": prefill_answer.get("model"), "choices": [choice]}
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+
+def with_first_token(prefill_answer: dict[str, Any], decode_answer: dict[str, Any], text: str,
+                     token: int) -> dict[str, Any]:
+    """A non-streamed answer: the decode's, with the first token in front."""
+    out = copy.deepcopy(decode_answer)
+    choice = out["choices"][0]
+    choice["text"] = text + str(choice.get("text") or "")
+    if choice.get("token_ids") is not None:
+        choice["token_ids"] = [token, *choice["token_ids"]]
+    if isinstance(choice.get("prompt_token_ids"), list):
+        choice["prompt_token_ids"] = choice["prompt_token_ids"][:-1]  # the client's prompt, not + first token
+    usage = out.get("usage")
+    if isinstance(usage, dict):
+        usage["prompt_tokens"] = max(0, int(usage.get("prompt_tokens") or 0) - 1)
+        usage["completion_tokens"] = int(usage.get("completion_tokens") or 0) + 1
+    out["id"] = prefill_answer.get("id", out.get("id"))
+    return out
 
 
 #: Marks the proxy's own error responses (not an engine's) with their kind.
@@ -306,10 +405,12 @@ class DisaggProxy:
 
         # ---- prefill hop ----
         (prefill_url, _), (decode_url, _) = self.config.next_pair()
+        handing_over = self.config.first_token == "handover" and not handover_refusal(path, body)
+        prefill_body = make_prefill_request(body)
         try:
             async with self._session.post(
                 prefill_url + path,
-                json=make_prefill_request(body),
+                json=handover_prefill_request(prefill_body) if handing_over else prefill_body,
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=self.config.prefill_timeout_s),
             ) as r:
@@ -335,14 +436,54 @@ class DisaggProxy:
             )
         log.debug("%s: prefill on %s -> %s", request_id, prefill_url, kv_params)
 
+        if handing_over:
+            return await self._hand_over(request, decode_url + path, body, prefill_resp, kv_params, headers)
         # ---- decode hop ----
         return await self._decode_hop(request, decode_url + path, make_decode_request(body, kv_params), headers)
 
+    async def _hand_over(self, request: web.Request, url: str, body: dict[str, Any], prefill_resp: dict[str, Any],
+                         kv_params: dict[str, Any], headers: dict[str, str]) -> web.StreamResponse:
+        """The first token from the prefill's answer, the rest from the decode engine
+        continuing from prompt + first token (module section "first-token hand-over")."""
+        try:
+            prompt_ids, first, text, finished = first_token_of(prefill_resp)
+        except ValueError as e:
+            return _error(502, str(e), "prefill_misconfigured")
+        cont = continuation_request(body, prompt_ids, first, kv_params)
+        finished = finished if finished == "stop" else None  # "length" is the prefill hop's own max_tokens=1
+        if finished:  # the first token ends the answer (EOS): the decode hop only frees the prefill's blocks
+            cont.update(max_tokens=1, stream=False)
+            task = asyncio.ensure_future(self._decode_hop(request, url, cont, headers))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            answer = copy.deepcopy(prefill_resp)
+            answer.pop("kv_transfer_params", None)
+            if not body.get("stream"):
+                return web.json_response(answer)
+        if not body.get("stream"):
+            resp = await self._decode_hop(request, url, cont, headers)
+            if resp.status != 200 or not isinstance(resp, web.Response) or resp.body is None:
+                return resp
+            merged = with_first_token(prefill_resp, json.loads(bytes(resp.body)), text, first)
+            return web.json_response(merged)
+        out = web.StreamResponse(status=200)
+        out.content_type = "text/event-stream"
+        await out.prepare(request)
+        await out.write(first_token_event(prefill_resp, text, first, finished, bool(body.get("return_token_ids"))))
+        if finished:
+            await out.write(b"data: [DONE]\n\n")
+        else:
+            await self._decode_hop(request, url, cont, headers, relay_to=out)
+        await out.write_eof()
+        return out
+
     async def _decode_hop(self, request: web.Request, url: str, decode_body: dict[str, Any],
-                          headers: dict[str, str], before_relay: Any = None) -> web.StreamResponse:
+                          headers: dict[str, str], before_relay: Any = None,
+                          relay_to: web.StreamResponse | None = None) -> web.StreamResponse:
         """Send the decode hop and pass its answer through (streamed or not).
         ``before_relay()``, when given, may return an error response to send instead
-        (router flow: the prefill turned out to run READ mode)."""
+        (router flow: the prefill turned out to run READ mode); ``relay_to``: a streamed
+        answer already started (the first-token hand-over) the decode's events go on."""
         assert self._session is not None
         try:
             async with self._session.post(
@@ -361,6 +502,10 @@ class DisaggProxy:
                 refused = before_relay() if before_relay else None
                 if refused is not None:
                     return refused
+                if relay_to is not None:
+                    async for chunk in r.content.iter_any():
+                        await relay_to.write(chunk)
+                    return relay_to
                 resp = web.StreamResponse(status=r.status)
                 resp.content_type = r.content_type or "text/event-stream"
                 await resp.prepare(request)
@@ -452,6 +597,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="--flow router: side_channel_host:side_channel_port of each --prefill engine, same order")
     p.add_argument("--decode-side-channel", action="append", default=[], metavar="HOST:PORT",
                    help="--flow router: side_channel_host:side_channel_port of each --decode engine, same order")
+    p.add_argument("--first-token", choices=("wait", "handover"), default="wait",
+                   help="handover: stream the prefill's first token at once, the decode engine continues from "
+                        "prompt + first token (/v1/completions, one prompt)")
     p.add_argument("--prefill-timeout", type=float, default=120.0, metavar="S")
     p.add_argument("--decode-timeout", type=float, default=600.0, metavar="S")
     p.add_argument("--log-level", default="INFO")
@@ -463,7 +611,7 @@ def make_config(args: argparse.Namespace) -> ProxyConfig:
         prefill_urls=args.prefill, decode_urls=args.decode,
         prefill_timeout_s=args.prefill_timeout, decode_timeout_s=args.decode_timeout,
         flow=args.flow, prefill_side_channels=args.prefill_side_channel,
-        decode_side_channels=args.decode_side_channel,
+        decode_side_channels=args.decode_side_channel, first_token=args.first_token,
     )
 
 

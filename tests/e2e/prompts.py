@@ -77,6 +77,13 @@ def router_concurrent_prompts(vocab: int, seed: int) -> list[list[int]]:
     return [_ids(rng, n, vocab) for n in lengths]
 
 
+def handover_prompts(vocab: int, seed: int) -> list[list[int]]:
+    """First-token hand-over: below a block, a block, one past it, many blocks; the last
+    one streamed."""
+    rng = random.Random(7000 + seed)
+    return [_ids(rng, n, vocab) for n in (5, BLOCK_SIZE, BLOCK_SIZE + 1, 7 * BLOCK_SIZE + 3, 3 * BLOCK_SIZE)]
+
+
 def pair_seed(backend: str, mode: str) -> int:
     """Each pair (backend, mode) gets its own prompts, so a prompt a test sends was never
     seen by that pair's engines before (their prefix caches cannot hide a remote load)."""
@@ -88,7 +95,7 @@ def all_prompts(vocab: int, seeds: list[int]) -> list[tuple[list[int], int]]:
     out = []
     for seed in seeds:
         for fn in (correctness_prompts, concurrent_prompts, kill_prompts, kill_proxy_prompts,
-                   after_kill_prompts, restart_prompts, router_prompts, router_concurrent_prompts):
+                   after_kill_prompts, restart_prompts, router_prompts, router_concurrent_prompts, handover_prompts):
             out += [(p, MAX_TOKENS) for p in fn(vocab, seed)]
     return out
 

@@ -181,6 +181,41 @@ def test_streaming_through_proxy(pair, baseline, vocab_size):
     assert ids == baseline[tuple(p)]  # vLLM puts token_ids in each chunk (return_token_ids)
 
 
+def test_first_token_handover_matches_single_engine(pair, baseline, vocab_size, log_dir):
+    """``disagg_proxy.py --first-token handover``: the first token comes from the prefill's
+    answer, the decode engine continues from prompt + first token with the prompt's KV
+    loaded remotely. Greedy tokens equal one engine's, streamed and not; every prompt of a
+    block or more is loaded (external prompt tokens on the decode engine); nothing is left
+    in use."""
+    pair.ensure_prefill()
+    proxy = proxy_process(f"handover-proxy-{pair.backend}-{pair.mode}", log_dir, pair.prefill.url, pair.decode.url,
+                          prefill_timeout_s=60, decode_timeout_s=120, extra_args=["--first-token", "handover"])
+    try:
+        harness_start([proxy])
+        client = prompts.client(proxy.url)
+        mismatches, not_remote = [], []
+        *one_by_one, streamed = prompts.handover_prompts(vocab_size, _seed(pair))
+        for p in one_by_one:
+            ext0, _ = _prompt_tokens(pair.decode)
+            got = prompts.complete(client, p)
+            remote = _prompt_tokens(pair.decode)[0] - ext0
+            if got != baseline[tuple(p)]:
+                mismatches.append((len(p), got, baseline[tuple(p)]))
+            if len(p) >= BLOCK_SIZE and remote <= 0:
+                not_remote.append((len(p), remote))
+        assert not mismatches, f"handed-over output differs from single engine: {mismatches}"
+        assert not not_remote, f"the decode engine recomputed the prompt instead of loading it: {not_remote}"
+        events = list(client.completions.create(model="tiny", prompt=streamed, max_tokens=prompts.MAX_TOKENS,
+                                                stream=True, **prompts.GREEDY))
+        ids = [t for ev in events if ev.choices for t in ev.choices[0].model_extra.get("token_ids") or []]
+        assert ids == baseline[tuple(streamed)]
+        assert events[0].choices[0].model_extra.get("token_ids") == ids[:1]  # the first event: the first token
+        wait_idle(pair.decode)
+        wait_idle(pair.prefill)
+    finally:
+        proxy.stop()
+
+
 # --------------------------------------------------------------------------- acceptance 3
 def test_32_concurrent_requests_match_and_free_everything(pair, baseline, vocab_size):
     pair.ensure_prefill()

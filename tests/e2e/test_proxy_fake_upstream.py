@@ -61,6 +61,9 @@ class FakeEngine:
             await resp.write(b"data: [DONE]\n\n")
             return resp
         out = {"choices": [{"text": f"{self.role}-text", "finish_reason": "length"}]}
+        if body.get("return_token_ids"):  # vLLM's extension: the prompt's and the answer's ids
+            prompt = body["prompt"] if isinstance(body["prompt"], list) else [10, 11, 12]
+            out["choices"][0].update(prompt_token_ids=prompt, token_ids=[42] if self.role == "prefill" else [43, 44])
         out["kv_transfer_params"] = self.kv_params if self.role == "prefill" else None
         return web.json_response(out)
 
@@ -415,3 +418,40 @@ def test_fake_upstream_several_engines_every_prefill_feeds_every_decode():
     assert [len(e.bodies) for e in pres + decs] == [4, 4, 4, 4]
     fed = [sorted(b["kv_transfer_params"]["transfer_id"] for b in d.bodies) for d in decs]
     assert fed == [["P0", "P0", "P1", "P1"]] * 2, fed
+
+
+def test_fake_upstream_first_token_handover_continues_from_prompt_and_first_token():
+    """--first-token handover: the prefill hop asks for token ids; the decode hop gets the
+    prompt's ids + the first token, one token fewer, and the prefill's kv_transfer_params;
+    the client's answer is the first token then the decode's (streamed: the first event is
+    the first token). A chat request takes the ordinary two hops."""
+    pre, dec = FakeEngine("prefill"), FakeEngine("decode")
+    req = {"model": "m", "prompt": "hi", "max_tokens": 9, "temperature": 0, "return_token_ids": True}
+
+    async def scenario(s, url):
+        async with s.post(url + "/v1/completions", json=req) as r:
+            plain = await r.json()
+        async with s.post(url + "/v1/completions", json={**req, "stream": True}) as r:
+            streamed = (await r.read()).decode()
+        async with s.post(url + "/v1/chat/completions", json={"model": "m", "messages": [], "max_tokens": 9}) as r:
+            chat = await r.json()
+        return plain, streamed, chat
+
+    plain, streamed, chat = run_with(pre, dec, scenario, first_token="handover")
+    assert pre.bodies[0]["return_token_ids"] is True and pre.bodies[0]["max_tokens"] == 1
+    d = dec.bodies[0]
+    assert d["prompt"] == [10, 11, 12, 42] and d["max_tokens"] == 8 and d["kv_transfer_params"] == KV
+    choice = plain["choices"][0]
+    assert choice["text"] == "prefill-textdecode-text" and choice["token_ids"] == [42, 43, 44]
+    assert choice["prompt_token_ids"] == [10, 11, 12]  # the client's prompt, not prompt + first token
+    events = [e.removeprefix("data: ") for e in streamed.split("\n\n") if e]
+    assert json.loads(events[0])["choices"][0]["token_ids"] == [42]  # the first token, from the prefill
+    assert [json.loads(e)["choices"][0]["text"] for e in events[1:-1]] == ["a", "b", "c"] and events[-1] == "[DONE]"
+    assert dec.bodies[1]["stream"] is True and dec.bodies[1]["prompt"] == [10, 11, 12, 42]
+    assert chat["choices"][0]["text"] == "decode-text" and "return_token_ids" not in pre.bodies[2]
+
+
+def test_proxy_config_first_token_handover_needs_the_two_hop_flow():
+    with pytest.raises(ValueError, match="two-hop"):
+        disagg_proxy.ProxyConfig(["http://p"], ["http://d"], flow="router", first_token="handover",
+                                 prefill_side_channels=["h:1"], decode_side_channels=["h:2"])
