@@ -22,6 +22,9 @@ It starts every setup at once (prefill engines confined to CPU 0, decode engines
   (``kvt-read-switch``, ``kvt-read-sched-switch``) also sets ``gil_switch_interval_s: 0.0005``,
   the switch interval the connector used to set by default, and ``-noswitch`` sets 0
   (Python's own interval);
+* ``kvt-read-handover``, ``kvt-write-handover``  the first-token hand-over
+  (``examples/disagg_proxy.py --first-token handover``): the first token is the prefill hop's
+  (TTFT when the prefill answers), the decode hop continues from prompt + first token;
 * ``example``    vLLM's ExampleConnector (KV through files in a temporary directory);
 * ``nixl``       vLLM's NixlConnector with ``kv_buffer_device: cpu`` (when ``nixl`` is installed);
 
@@ -159,6 +162,8 @@ class Setup:
     #: router flow: (prefill, decode) side-channel base ports named in the compound request id;
     #: both hops are sent at once. None: the two-hop flow (prefill answer, then decode).
     router_ports: tuple[int, int] | None = None
+    #: first-token hand-over: the first token from the prefill hop, the decode continues after it
+    handover: bool = False
 
     @property
     def alive(self) -> bool:
@@ -201,6 +206,8 @@ def make_setup(name: str, model: Path, log_dir: Path) -> Setup:
                 base, spin = base[: -len(suffix)], mode
         # "-router": both hops sent at once (parallel dispatch), WRITE mode only
         base, router = (base[: -len("-router")], True) if base.endswith("-router") else (base, False)
+        # "-handover": the first token from the prefill hop (disagg_proxy --first-token handover)
+        base, handover = (base[: -len("-handover")], True) if base.endswith("-handover") else (base, False)
         modes = {"kvt-read": ("read", "loopback"), "kvt-write": ("write", "loopback"), "kvt-ucx": ("read", "ucx")}
         if base not in modes:
             raise SystemExit(f"unknown setup {name!r}")
@@ -215,7 +222,8 @@ def make_setup(name: str, model: Path, log_dir: Path) -> Setup:
                                   kv_transfer_config=kvt_config("kv_producer", mode, backend, pre_port, spin, switch))
         dec = harness.vllm_server(f"{name}-decode", model, log_dir, cpu=1, env_extra=env,
                                   kv_transfer_config=kvt_config("kv_consumer", mode, backend, dec_port, spin, switch))
-        return Setup(name, pre, dec, True, router_ports=(pre_port, dec_port) if router else None)
+        return Setup(name, pre, dec, True, router_ports=(pre_port, dec_port) if router else None,
+                     handover=handover)
     if name == "example":
         store = Path(tempfile.mkdtemp(prefix="kvt-bench-example-"))
         cfg = lambda role: {"kv_connector": "ExampleConnector", "kv_role": role,  # noqa: E731
@@ -279,14 +287,36 @@ class Sample:
     prefill_s: float  # the prefill hop (0 for the single engine)
 
 
-async def _prefill_hop(client: httpx.AsyncClient, setup: Setup, prompt: list[int],
-                       request_id: str) -> dict[str, Any] | None:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
-            "stream": False, "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+async def _prefill_answer(client: httpx.AsyncClient, setup: Setup, prompt: list[int],
+                          request_id: str) -> dict[str, Any]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True, "stream": False,
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
     r = await client.post(setup.prefill.url + "/v1/completions", json=body,
                           headers={"X-Request-Id": request_id})
     r.raise_for_status()
-    return r.json().get("kv_transfer_params")
+    return r.json()
+
+
+async def _prefill_hop(client: httpx.AsyncClient, setup: Setup, prompt: list[int],
+                       request_id: str) -> dict[str, Any] | None:
+    return (await _prefill_answer(client, setup, prompt, request_id)).get("kv_transfer_params")
+
+
+async def one_request_handover(client: httpx.AsyncClient, setup: Setup, prompt: list[int], n: int) -> Sample:
+    """The first-token hand-over: the prefill hop's token is the first one (TTFT), the
+    decode hop continues from prompt + that token with the prompt's KV."""
+    request_id = f"bench-{secrets.token_hex(6)}"
+    t0 = time.perf_counter()
+    answer = await _prefill_answer(client, setup, prompt, request_id)
+    t_pre = time.perf_counter()
+    first = int(answer["choices"][0]["token_ids"][0])
+    params = answer.get("kv_transfer_params")
+    if not params:
+        raise RuntimeError(f"{setup.name}: prefill returned no kv_transfer_params")
+    rest, _ = await _stream_decode(client, setup, _decode_body([*prompt, first], n - 1, params), request_id, t0)
+    t_end = time.perf_counter()
+    return Sample(tuple(prompt), [first, *rest], t_pre - t0, t_end - t0, t_pre - t0)
 
 
 def router_request_id(prefill_port: int, decode_port: int) -> str:
@@ -354,6 +384,8 @@ async def one_request_router(client: httpx.AsyncClient, setup: Setup, prompt: li
 async def one_request(client: httpx.AsyncClient, setup: Setup, prompt: list[int], n: int) -> Sample:
     if setup.router_ports is not None:
         return await one_request_router(client, setup, prompt, n)
+    if setup.handover:
+        return await one_request_handover(client, setup, prompt, n)
     request_id = f"bench-{secrets.token_hex(6)}"
     _trace("c_start", request_id, n=len(prompt))
     t0 = time.perf_counter()
