@@ -149,7 +149,7 @@ if __name__ != "__main__":
     @pytest.mark.parametrize("case", ["ucx-tcp", "ucx-shm", "nixl", "mooncake", "loopback"])
     def test_link_flap_first_request_after_loads_remote(case, request):
         if not request.config.getoption("--link-flap"):
-            pytest.skip("long (a link cut per backend, 10-15 min): run with --link-flap (docs/bench/HEALING.md)")
+            pytest.skip("long (a link cut per backend, about 5 min): run with --link-flap (docs/bench/HEALING.md)")
         skip_unless_usable("ucx" if case.startswith("ucx") else case)
         with veth_namespaces("kvt-flap", "kf", A_B) as ((ns_a, dev_a), (ns_b, dev_b)):
             common = {"mode": "read", "transfer_timeout_s": TIMEOUT_S, "lease_s": LEASE_S,
