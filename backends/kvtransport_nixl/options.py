@@ -89,8 +89,6 @@ class NixlOptions:
     close_grace_s: float = 2.0
     #: The ``device_memory`` option as given; ``ucx_env["TLS"]`` already holds what it added.
     device_memory: str = "auto"
-    #: ``UCX_TCP_USER_TIMEOUT`` of the UCX plugin (0: the kernel's): already in ``ucx_env``
-    tcp_user_timeout_s: float = 30.0
 
     def params_for(self, plugin: str) -> dict[str, str]:
         return dict(self.plugin_params.get(plugin, {}))
@@ -131,7 +129,7 @@ def parse_options(options: Mapping[str, Any], environ: Mapping[str, str] = os.en
         if tls is not None:
             env["TLS"] = tls
     return NixlOptions(backends, o["progress_thread"], o["num_threads"], pp, env, o["liveness_interval_s"],
-                       o["inline_post_bytes"], o["close_grace_s"], device, user_timeout)
+                       o["inline_post_bytes"], o["close_grace_s"], device)
 
 
 def plugin_params(opts: NixlOptions, info: probe.PluginInfo, plugin: str) -> dict[str, str]:

@@ -28,7 +28,7 @@ import kvtransport as kvt
 from harness import prompt_of
 from kvtransport_vllm.block_sizes import BlockSizeError, pair_by_token, run_segments
 from kvtransport_vllm.kv_layout import HEADS_OUTER, TOKENS_OUTER
-from test_hetero_tp import _assert_nothing_left, _engines, _prefill, _run_load
+from test_hetero_tp import _assert_nothing_left, _engines, _load_exact, _prefill, _run_load
 
 
 # ------------------------------------------------------------------ the arithmetic, on plain memory
@@ -132,16 +132,7 @@ TPS = [(1, 1), (2, 1), (1, 2)]
 def test_different_block_sizes_bytes_equal_per_head_slice(mode, p, d, pbs, dbs):
     P, C = _engines(mode, p, d, 4, p_block_size=pbs, c_block_size=dbs)
     try:
-        prompt = prompt_of(150, seed=pbs + dbs + p)
-        params = _prefill(P, "p1", prompt)
-        assert params["remote_block_size"] == pbs
-        C.add("c1", prompt, 3, params)
-        bad = _run_load(P, C, "c1", prompt).bad
-        assert bad == [], f"head slices differing from the prefill's (rank, block, head): {bad}"
-        assert C.finish_reason("c1") == "length"
-        assert C.first_start["c1"] >= len(prompt) - 1, "prefilled locally, not loaded"
-        _assert_nothing_left(P, C)
-        assert C.counter("loads_ok") == d and C.counter("failures") == 0
+        assert _load_exact(P, C, prompt_of(150, seed=pbs + dbs + p))["remote_block_size"] == pbs
     finally:
         P.close()
         C.close()

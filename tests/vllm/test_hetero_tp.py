@@ -121,6 +121,20 @@ def _assert_nothing_left(P: TPEngine, C: TPEngine) -> None:
     assert P.counter("leases_expired") == 0
 
 
+def _load_exact(P: TPEngine, C: TPEngine, prompt: list[int]) -> dict:
+    """Prefill on P, decode on C; C's ranks hold exactly P's head slices, loaded (not
+    recomputed) by every decode rank; nothing leaked. Returns the prefill's params."""
+    params = _prefill(P, "p1", prompt)
+    C.add("c1", prompt, 3, params)
+    bad = _run_load(P, C, "c1", prompt).bad
+    assert bad == [], f"head slices differing from the prefill's (rank, block, head): {bad}"
+    assert C.finish_reason("c1") == "length"
+    assert C.first_start["c1"] >= len(prompt) - 1, "prefilled locally, not loaded"
+    _assert_nothing_left(P, C)
+    assert C.counter("loads_ok") == C.tp and C.counter("failures") == 0  # every decode rank loaded
+    return params
+
+
 TOPOLOGIES = [
     # (prefill TP, decode TP, KV heads)
     (1, 2, 4),  # each decode rank reads a slice of the one prefill rank's heads
@@ -138,16 +152,7 @@ TOPOLOGIES = [
 def test_hetero_tp_bytes_equal_per_head_slice(mode, p, d, heads):
     P, C = _engines(mode, p, d, heads)
     try:
-        prompt = prompt_of(70, seed=p * 10 + d)
-        params = _prefill(P, "p1", prompt)
-        assert params["tp_size"] == p
-        C.add("c1", prompt, 3, params)
-        bad = _run_load(P, C, "c1", prompt).bad
-        assert bad == [], f"head slices differing from the prefill's (rank, block, head): {bad}"
-        assert C.finish_reason("c1") == "length"
-        assert C.first_start["c1"] >= len(prompt) - 1, "prefilled locally, not loaded"
-        _assert_nothing_left(P, C)
-        assert C.counter("loads_ok") == d and C.counter("failures") == 0  # every decode rank loaded
+        assert _load_exact(P, C, prompt_of(70, seed=p * 10 + d))["tp_size"] == p
     finally:
         P.close()
         C.close()
@@ -163,14 +168,7 @@ def test_hetero_tp_sliding_window_hybrid_model(mode, p, d, n_tokens):
     recomputed, nothing left on either side."""
     P, C = _engines(mode, p, d, 2, sliding_window=32)
     try:
-        prompt = prompt_of(n_tokens, seed=n_tokens + p)
-        C.add("c1", prompt, 3, _prefill(P, "p1", prompt))
-        bad = _run_load(P, C, "c1", prompt).bad
-        assert bad == [], f"head slices differing from the prefill's (rank, block, head): {bad}"
-        assert C.finish_reason("c1") == "length"
-        assert C.first_start["c1"] >= len(prompt) - 1, "prefilled locally, not loaded"
-        _assert_nothing_left(P, C)
-        assert C.counter("loads_ok") == d and C.counter("failures") == 0
+        _load_exact(P, C, prompt_of(n_tokens, seed=n_tokens + p))
     finally:
         P.close()
         C.close()

@@ -16,27 +16,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from vllm.config import CacheConfig, DeviceConfig, VllmConfig
-from vllm.v1.attention.backends.utils import record_kv_cache_layout
-from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
-from vllm.v1.worker.utils import allocate_kv_cache
 
 import kvtransport as kvt
 from kvtransport_vllm.block_sizes import pair_by_token, run_segments
 from kvtransport_vllm.kv_layout import HEADS_OUTER, TOKENS_OUTER, describe_kv_caches
-
-LAYERS, HEADS, HEAD_SIZE, NUM_BLOCKS = 4, 2, 16, 24
-
-
-def _caches(layout: str, block: int) -> dict[str, torch.Tensor]:
-    cfg = VllmConfig(cache_config=CacheConfig(block_size=block), device_config=DeviceConfig("cpu"))
-    record_kv_cache_layout(cfg.cache_config, layout)
-    cfg.cache_config.num_gpu_blocks_override = NUM_BLOCKS
-    spec = FullAttentionSpec(block_size=block, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float16)
-    groups = [KVCacheGroupSpec([f"layers.{i}" for i in range(LAYERS)], spec)]
-    kcc = get_kv_cache_config_from_groups(cfg, groups, available_memory=spec.page_size_bytes * LAYERS * NUM_BLOCKS)
-    return allocate_kv_cache(kcc, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout(), [block])
+from test_descriptors_033 import HEADS, NUM_BLOCKS, _caches  # the allocation vLLM 0.33 makes, per block size
 
 
 def _register(agent, caches, block):

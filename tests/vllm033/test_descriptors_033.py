@@ -25,15 +25,16 @@ from kvtransport_vllm.kv_layout import HEADS_OUTER, block_segments, describe_kv_
 LAYERS, HEADS, HEAD_SIZE, BLOCK, NUM_BLOCKS = 8, 2, 16, 16, 40
 
 
-def _caches(layout: str) -> dict[str, torch.Tensor]:
-    """One engine's per-layer KV caches as vLLM 0.33 allocates them under ``layout``."""
-    cfg = VllmConfig(cache_config=CacheConfig(block_size=BLOCK), device_config=DeviceConfig("cpu"))
+def _caches(layout: str, block: int = BLOCK) -> dict[str, torch.Tensor]:
+    """One engine's per-layer KV caches as vLLM 0.33 allocates them under ``layout``
+    (``block`` tokens a block)."""
+    cfg = VllmConfig(cache_config=CacheConfig(block_size=block), device_config=DeviceConfig("cpu"))
     record_kv_cache_layout(cfg.cache_config, layout)
     cfg.cache_config.num_gpu_blocks_override = NUM_BLOCKS
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float16)
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float16)
     groups = [KVCacheGroupSpec([f"layers.{i}" for i in range(LAYERS)], spec)]
     kcc = get_kv_cache_config_from_groups(cfg, groups, available_memory=spec.page_size_bytes * LAYERS * NUM_BLOCKS)
-    return allocate_kv_cache(kcc, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout(), [BLOCK])
+    return allocate_kv_cache(kcc, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout(), [block])
 
 
 def _register(agent, caches, peer=None):

@@ -21,7 +21,7 @@ import pytest
 import torch
 from engine033 import FlashEngine033, resolve_layout
 from harness import free_port_base, prompt_of
-from test_hetero_tp import _assert_nothing_left, _prefill, _run_load
+from test_hetero_tp import _assert_nothing_left, _load_exact, _prefill, _run_load
 from tp_harness import HEAD_SIZE, NUM_LAYERS, mla_model_dir, model_dir
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
@@ -88,19 +88,6 @@ def _pair(mode: str, p: int, d: int, heads: int = 4, p_block: int = 16, d_block:
         P.close()
         raise
     return P, C
-
-
-def _load_exact(P: FlashEngine033, C: FlashEngine033, prompt: list[int]) -> None:
-    """Prefill on P, decode on C; C's ranks hold exactly P's head slices, loaded (not
-    recomputed); nothing leaked."""
-    params = _prefill(P, "p1", prompt)
-    C.add("c1", prompt, 3, params)
-    bad = _run_load(P, C, "c1", prompt).bad
-    assert bad == [], f"head slices differing from the prefill's (rank, block, head): {bad}"
-    assert C.finish_reason("c1") == "length"
-    assert C.first_start["c1"] >= len(prompt) - 1, "prefilled locally, not loaded"
-    _assert_nothing_left(P, C)
-    assert C.counter("loads_ok") == C.tp and C.counter("failures") == 0
 
 
 @pytest.mark.parametrize("mode", ["read", "write"])

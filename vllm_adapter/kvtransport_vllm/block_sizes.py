@@ -8,8 +8,8 @@ one block size divides the other, the tokens both engines hold split into runs o
 run is one byte range per head on each side (or per token range, when a token holds all
 its heads):
 
-* heads-outer blocks (vLLM's CPU layout and HND: ``[heads, block_size, ...]`` inside a
-  block): head ``h`` of a run starts at ``h * B * bytes_per_token_and_head + slot * ...``;
+* heads-outer blocks (HND, vLLM's ``LBHNC``: ``[heads, block_size, ...]`` inside a block):
+  head ``h`` of a run starts at ``h * B * bytes_per_token_and_head + slot * ...``;
 * tokens-outer blocks (NHD, and MLA's one latent per token): a run of tokens is one range
   with every head in it; only whole blocks' heads (equal TP sizes, checked at the
   hand-shake by :mod:`.compat`).
@@ -55,7 +55,7 @@ TOKEN_ROW_BACKENDS = frozenset({
     "ROCM_AITER_MLA"})
 
 __all__ = ["BlockSizeError", "TokenRuns", "TOKEN_ROW_BACKENDS", "attention_backends", "backends_problem",
-           "sizes_problem", "pair_by_token", "run_segments", "paired_segments",
+           "groups_refusal", "sizes_problem", "pair_by_token", "run_segments", "paired_segments",
            "read_segments"]
 
 
@@ -87,6 +87,14 @@ def backends_problem(backends: Sequence[str]) -> str:
     return ""
 
 
+def groups_refusal(producer_block_size: int, consumer_block_size: int) -> str:
+    """Why a model with several KV cache groups is not moved between these block sizes: its
+    groups pair blocks group by group at equal positions (kv_groups.py), not by token."""
+    return (f"block sizes {producer_block_size} (producer) and {consumer_block_size} (consumer): a model with "
+            "several KV cache groups (sliding window, Mamba state) is moved between engines of the same "
+            "--block-size only")
+
+
 def sizes_problem(ours: int, theirs: int) -> str:
     """Why blocks of ``ours`` and ``theirs`` tokens cannot be paired ("" when they can)."""
     if ours <= 0 or theirs <= 0:
@@ -109,9 +117,6 @@ class TokenRuns:
     remote_ids: np.ndarray
     remote_slot: np.ndarray
     tokens: int
-
-    def __len__(self) -> int:
-        return len(self.local_ids)
 
 
 def pair_by_token(local_ids: Sequence[int], local_block_size: int, local_first_token: int,
@@ -209,8 +214,7 @@ def read_segments(job: RecvJob, piece: Piece, local_layouts: Sequence[kvt.BlockL
         raise BlockSizeError(f"the producer's block size is {theirs}, this engine's {ours}, and {said}; forward "
                              "remote_block_size through the router, or start both engines with the same --block-size")
     if job.group_sizes:
-        raise BlockSizeError(f"block sizes {theirs} (producer) and {ours}: a model with several KV cache groups is "
-                             "moved between engines of the same --block-size only")
+        raise BlockSizeError(groups_refusal(theirs, ours))
     return paired_segments(local_layouts, local, job.local_block_ids, job.first_token, remote_layouts, remote,
                            job.remote_block_ids, job.first_token // theirs * theirs, piece.local_head,
                            piece.remote_head, piece.num_heads)

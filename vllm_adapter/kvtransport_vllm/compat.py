@@ -29,7 +29,6 @@ _FIX = {
     "model": "serve the same model (same --served-model-name) on both engines",
     "model_dtype": "start both engines with the same --dtype",
     "dtype": "start both engines with the same --kv-cache-dtype (and --dtype)",
-    "block_size": "start both engines with block sizes that divide one another (e.g. 32 and 64, or equal)",
     "num_layers": "serve the same model on both engines",
     "parts_per_layer": "use the same attention backend on both engines",
     "total_kv_heads": "serve the same model on both engines",

@@ -38,7 +38,7 @@ import kvtransport as kvt
 from .context import WorkerContext
 from .hold import Dest, Hold, HoldState
 from .kv_groups import align_tails, flatten, split
-from .block_sizes import paired_segments
+from .block_sizes import groups_refusal, paired_segments
 from .kv_layout import block_segments, head_slice, remote_layouts
 from .load_stats import HOLD_CAUSES, Cause, count_outcome, record_transfer
 from .messages import Hello, HoldJob, LayoutInfo, Msg, Reply, WriteReq, Written
@@ -251,8 +251,7 @@ class Producer:
         if info.block_size == self.ctx.layout.block_size:
             return align_tails(split(h.block_ids, h.group_sizes), split(dest.block_ids, dest.group_sizes))
         if h.group_sizes or dest.group_sizes:
-            return (f"block sizes {self.ctx.layout.block_size} (producer) and {info.block_size} (consumer): a model "
-                    "with several KV cache groups is moved between engines of the same --block-size only")
+            return groups_refusal(self.ctx.layout.block_size, info.block_size)
         return [list(h.block_ids)], [list(dest.block_ids)]
 
     def _write(self, dest: Dest, src_groups: list[list[int]], dst_groups: list[list[int]]) -> tuple[Any, HoldState]:

@@ -14,6 +14,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from .block_sizes import groups_refusal
 from .config import ConnectorConfig, rank_port
 from . import ssm_state
 from .kv_groups import GroupInfo, clip_windows, flatten, pair_by_position, select
@@ -152,10 +153,7 @@ class KVTransportScheduler:
         need = -(-(n_local_cached * self.block_size + num_external_tokens) // self.block_size) - n_local_cached
         remote_bs = src.remote_block_size or self.block_size
         if remote_bs != self.block_size and len(self.groups) > 1:
-            self._fail_load(request, unhashed,
-                            f"the producer's block size is {remote_bs}, this engine's {self.block_size}: a model with "
-                            "several KV cache groups (sliding window, Mamba state) is moved between engines of the "
-                            "same --block-size only", release=src)
+            self._fail_load(request, unhashed, groups_refusal(remote_bs, self.block_size), release=src)
             return
         if self._has_state and src.remote_tp and src.remote_tp != self.tp_size:
             self._fail_load(request, unhashed,
