@@ -142,8 +142,10 @@ def make_workloads(vocab: int, setup_index: int, names: list[str]) -> list[Workl
 
 # ----------------------------------------------------------------------------- setups
 def kvt_config(role: str, mode: str, backend: str, port: int, spin_yield: str | None = None,
-               switch_interval_s: float | None = None) -> dict[str, Any]:
+               switch_interval_s: float | None = None, layerwise: bool = False) -> dict[str, Any]:
     extra = {"backend": backend, "mode": mode, "side_channel_host": "127.0.0.1", "side_channel_port": port}
+    if layerwise:
+        extra["layerwise_write"] = True
     if spin_yield:
         extra["vllm_spin_yield"] = spin_yield
     if switch_interval_s is not None:
@@ -204,6 +206,8 @@ def make_setup(name: str, model: Path, log_dir: Path) -> Setup:
         for suffix, mode in (("-sleep", "sleep"), ("-sched", "sched_yield")):
             if base.endswith(suffix):
                 base, spin = base[: -len(suffix)], mode
+        # "-layerwise": layerwise_write (each layer pushed during the prefill; router flow only)
+        base, layerwise = (base[: -len("-layerwise")], True) if base.endswith("-layerwise") else (base, False)
         # "-router": both hops sent at once (parallel dispatch), WRITE mode only
         base, router = (base[: -len("-router")], True) if base.endswith("-router") else (base, False)
         # "-handover": the first token from the prefill hop (disagg_proxy --first-token handover)
@@ -219,9 +223,11 @@ def make_setup(name: str, model: Path, log_dir: Path) -> Setup:
                              "has answered. Use kvt-write-router.")
         pre_port, dec_port = harness.free_port(), harness.free_port()
         pre = harness.vllm_server(f"{name}-prefill", model, log_dir, cpu=0, env_extra=env,
-                                  kv_transfer_config=kvt_config("kv_producer", mode, backend, pre_port, spin, switch))
+                                  kv_transfer_config=kvt_config("kv_producer", mode, backend, pre_port, spin, switch,
+                                                                layerwise))
         dec = harness.vllm_server(f"{name}-decode", model, log_dir, cpu=1, env_extra=env,
-                                  kv_transfer_config=kvt_config("kv_consumer", mode, backend, dec_port, spin, switch))
+                                  kv_transfer_config=kvt_config("kv_consumer", mode, backend, dec_port, spin, switch,
+                                                                layerwise))
         return Setup(name, pre, dec, True, router_ports=(pre_port, dec_port) if router else None,
                      handover=handover)
     if name == "example":
