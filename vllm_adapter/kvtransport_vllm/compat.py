@@ -12,15 +12,17 @@ divide one another (:mod:`.block_sizes` pairs them by token position, which need
 attention backends that keep tokens as rows, in one range per head or per block); with equal TP
 sizes the bytes per token; with different TP sizes the head split (:mod:`.tp_mapping`)
 and whether the side that must send or receive part of its heads keeps them as one byte
-range per block (``kv_layout.HEADS_OUTER``). Fields a side does not know ("" / 0: a
+range per block (``kv_layout.HEADS_OUTER``), and for hybrid models whether the Mamba state
+can be re-split by head (:mod:`.ssm_tp`). Fields a side does not know ("" / 0: a
 worker built without a model config) are not compared.
 """
 
 from __future__ import annotations
 
-from .block_sizes import backends_problem, sizes_problem
+from .block_sizes import backends_problem, groups_refusal, sizes_problem
 from .kv_layout import HEADS_OUTER, TOKENS_OUTER
 from .messages import LayoutInfo
+from .ssm_tp import resplit_problem
 from .tp_mapping import TPMappingError, check_mapping
 
 __all__ = ["refusal", "cross_layer"]
@@ -113,6 +115,9 @@ def refusal(ours: LayoutInfo, peer: LayoutInfo, us: str = "local", them: str = "
         if ours.block_bytes * peer.block_size != peer.block_bytes * ours.block_size:
             diffs.append(f"block_bytes: {us} {ours.block_bytes} per {ours.block_size} tokens vs {them} "
                          f"{peer.block_bytes} per {peer.block_size} ({_FIX['block_bytes']})")
+        if ours.state != peer.state:  # state pages are moved whole: laid out alike
+            diffs.append(f"Mamba state layout: {us} {ours.state} vs {them} {peer.state} (serve the same model with "
+                         "the same dtypes and VLLM_SSM_CONV_STATE_LAYOUT on both engines)")
     elif not diffs:
         diffs += _tp_refusal(ours, peer, us, them, heads_known)
     return "; ".join(diffs)
@@ -124,6 +129,9 @@ def _block_size_refusal(ours: LayoutInfo, peer: LayoutInfo, us: str, them: str) 
     why = sizes_problem(ours.block_size, peer.block_size)
     if why:
         return [f"{sizes}: {why}"]
+    if ours.kv_groups > 1 or peer.kv_groups > 1:
+        return [groups_refusal(*((peer.block_size, ours.block_size) if us == "decode" else
+                                 (ours.block_size, peer.block_size)))]
     if cross_layer(ours) or cross_layer(peer):
         return [f"{sizes}: vLLM's cross-layer layout keeps every layer inside a block, so runs of tokens are not "
                 "paired across block sizes; start both engines with the same --block-size, or use the heads-outer "
@@ -163,4 +171,7 @@ def _tp_refusal(ours: LayoutInfo, peer: LayoutInfo, us: str, them: str, heads_kn
         why = _side(side, info.kv_heads, info.attn_layout, other.kv_heads)
         if why:
             out.append(f"{tp}: {why}")
+    why = resplit_problem(ours.state, peer.state, (ours.tp_size, peer.tp_size), (ours.kv_heads, peer.kv_heads))
+    if why:
+        out.append(f"{tp}: {why}")
     return out

@@ -116,6 +116,9 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
         self._moved_layers = {n for g in groups for n in g.layers} if groups else None
         #: Mamba / SSM state layers: registered as pages like attention blocks (ssm_state.py)
         self._state_layers = {n for g in groups if g.state for n in g.layers}
+        #: their KV cache spec (vLLM gives every state layer of a model the same one)
+        self._state_spec = next((g.kv_cache_spec for g in getattr(kv_cache_config, "kv_cache_groups", [])
+                                 if self._state_layers & set(g.layer_names)), None)
         self._loaded_groups = tuple(g.index for g in groups) or (0,)
         ktc = vllm_config.kv_transfer_config
         if self.cfg.load_failure_policy is not None:
@@ -223,15 +226,22 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         if self._moved_layers is not None:  # groups vLLM does not transfer stay unregistered
             kv_caches = {n: t for n, t in kv_caches.items() if n in self._moved_layers}
+        state = None
         if self._state_layers:
-            from .ssm_state import as_pages
+            from .ssm_state import as_pages, geometry
 
+            geometries = {geometry(self._state_spec, v, self._worker.tp_size) for n, v in kv_caches.items()
+                          if n in self._state_layers}
+            if len(geometries) != 1:
+                raise ConnectorConfigError("KVTransportConnector cannot move this hybrid model's Mamba state: its "
+                                           f"state layers are laid out differently ({sorted(map(str, geometries))})")
+            (state,) = geometries
             try:
                 kv_caches = as_pages(kv_caches, self._state_layers)
             except ValueError as exc:
                 raise ConnectorConfigError(f"KVTransportConnector cannot move this hybrid model's Mamba state: {exc}") \
                     from exc
-        self._worker.register_kv_caches(kv_caches, attention_backends(self._vllm_config, kv_caches))
+        self._worker.register_kv_caches(kv_caches, attention_backends(self._vllm_config, kv_caches), state)
 
     def _meta(self) -> KVTransportMetadata | None:
         meta = self._connector_metadata

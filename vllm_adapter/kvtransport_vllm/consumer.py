@@ -30,7 +30,7 @@ import kvtransport as kvt
 
 from .block_sizes import read_segments
 from .context import WorkerContext
-from .kv_layout import block_segments, head_slice
+from .kv_layout import block_segments, piece_layouts
 from .load_stats import Cause, LoadClock, record_load, record_transfer
 from .load_messages import LoadMessages, plan_ranks
 from .messages import Msg, RecvJob, Renew, Reply, Written
@@ -331,7 +331,6 @@ class Consumer:
             self._set(r, RecvState.WRITE_WAIT)
             self.send.write_req(r, now)
             return
-        ours = self.ctx.layout.kv_heads if self.ctx.layout is not None else 0
         for pc, p in zip(r.pieces, conns):
             piece = pc.piece
             try:
@@ -339,13 +338,11 @@ class Consumer:
                     local, remote = read_segments(job, piece, self.ctx.local_layouts, self.ctx.layout, p.layouts,
                                                   p.info)
                 else:
-                    n = piece.num_heads or ours
-                    lg = self.ctx.layer_group
-                    local = block_segments(head_slice(self.ctx.local_layouts, ours, piece.local_head, n),
-                                           job.local_block_ids, job.group_sizes, lg)
-                    theirs = p.info.kv_heads if p.info is not None else 0
-                    remote = block_segments(head_slice(p.layouts, theirs, piece.remote_head, n or theirs),
-                                            job.remote_block_ids, job.group_sizes, lg)
+                    lo, lg_lo, re, lg_re = piece_layouts(self.ctx.local_layouts, self.ctx.layout, piece.local_head,
+                                                         p.layouts, p.info, piece.remote_head, piece.num_heads,
+                                                         self.ctx.layer_group, self.ctx.state_layers, True)
+                    local = block_segments(lo, job.local_block_ids, job.group_sizes, lg_lo)
+                    remote = block_segments(re, job.remote_block_ids, job.group_sizes, lg_re)
                 # the READ's own deadline is the load's (read the clock now: ``now`` was taken at
                 # the start of this progress call, and the core adds the timeout to its clock)
                 pc.transfer = self.ctx.agent.read(p.kvt_peer, local, remote,

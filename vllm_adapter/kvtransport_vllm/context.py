@@ -41,6 +41,8 @@ class WorkerContext:
     local_layouts: list[kvt.BlockLayout] = field(default_factory=list)
     #: KV cache group of each layer of local_layouts (hybrid models; []: all in group 0)
     layer_group: list[int] = field(default_factory=list)
+    #: which layers of local_layouts are Mamba / SSM state pages (ssm_tp.py)
+    state_layers: frozenset[int] = frozenset()
     agent_md: bytes = b""
     #: clients to the reply addresses peers gave us (Written, notices), by (host, port)
     reply_clients: dict[tuple[str, int], SideChannelClient] = field(default_factory=dict)

@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # .messages imports vLLM; this module (and .staging) must imp
     from .messages import LayoutInfo
 
 __all__ = ["KVLayoutError", "LayerMem", "describe_kv_caches", "check_uniform", "remote_layouts", "block_segments",
-           "head_slice", "interleaved", "HEADS_OUTER", "TOKENS_OUTER", "KV_OUTER", "AMBIGUOUS"]
+           "head_slice", "piece_layouts", "interleaved", "HEADS_OUTER", "TOKENS_OUTER", "KV_OUTER", "AMBIGUOUS"]
 
 #: inside a block, each head's tokens are one byte range (vLLM's CPU layout
 #: ``[num_blocks, kv_heads, block_size, 2*head_size]``; head-major "HND" GPU blocks): a head range
@@ -281,3 +281,27 @@ def head_slice(layouts: list[kvt.BlockLayout], kv_heads: int, first: int, num: i
         out.append(kvt.BlockLayout([(r, b + first * hb) for r, b in lay.parts], hb * num, lay.num_blocks,
                                    lay.block_stride))
     return out
+
+
+def piece_layouts(local_layouts: list[kvt.BlockLayout], local: LayoutInfo | None, local_first: int,
+                  remote_layouts: list[kvt.BlockLayout], remote: LayoutInfo | None, remote_first: int, num: int,
+                  layer_group: Sequence[int], state_layers: frozenset[int], local_is_consumer: bool
+                  ) -> tuple[list[kvt.BlockLayout], list[int], list[kvt.BlockLayout], list[int]]:
+    """Both sides' layers for one piece of ``num`` attention heads (0: all), and the KV cache
+    group of each: attention layers sliced to the piece's heads (:func:`head_slice`); Mamba
+    state pages whole at equal TP sizes, else cut to the piece's share of the state
+    (:mod:`.ssm_tp`). The two lists pair up layout by layout."""
+    from .ssm_tp import cut_layouts, state_cuts
+
+    ours = local.kv_heads if local is not None else 0
+    theirs = remote.kv_heads if remote is not None else 0
+    lo = head_slice(local_layouts, ours, local_first, num or ours)
+    re = head_slice(remote_layouts, theirs, remote_first, num or theirs)
+    lg = list(layer_group)
+    cuts = state_cuts(local, remote, local_first, remote_first, num or ours, local_is_consumer) \
+        if state_layers else None
+    if cuts is None:
+        return lo, lg, re, lg
+    lo, lg_local = cut_layouts(local_layouts, lo, lg, state_layers, cuts[0])
+    re, lg_remote = cut_layouts(remote_layouts, re, lg, state_layers, cuts[1])
+    return lo, lg_local, re, lg_remote

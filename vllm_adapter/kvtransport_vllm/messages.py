@@ -15,6 +15,8 @@ import msgspec
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from .ssm_tp import StateGeometry
+
 #: 2: heterogeneous TP (issue 14): LayoutInfo names the model and head geometry, and
 #: Done / Release / Cancel / WriteReq / Written name TP ranks and head ranges. A version-1
 #: peer is refused with a message naming both versions, not as a malformed message.
@@ -73,6 +75,10 @@ class LayoutInfo(msgspec.Struct, frozen=True):
     attn_layout: str = ""  # where heads lie inside a block (kv_layout.HEADS_OUTER, ...)
     #: vLLM's attention backends of these layers (block_sizes.TOKEN_ROW_BACKENDS; []: not known)
     attn_backends: list[str] = []
+    #: hybrid models: where the Mamba / SSM state lies in its page on this rank (ssm_tp.py)
+    state: StateGeometry | None = None
+    #: KV cache groups moved (several: a hybrid model, paired group by group; kv_groups.py)
+    kv_groups: int = 1
 
     def mismatch(self, other: LayoutInfo) -> str:
         """Human-readable differences that make a transfer impossible ("" if none)."""

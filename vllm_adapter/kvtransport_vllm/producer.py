@@ -39,7 +39,7 @@ from .context import WorkerContext
 from .hold import Dest, Hold, HoldState
 from .kv_groups import align_tails, flatten, split
 from .block_sizes import groups_refusal, paired_segments
-from .kv_layout import block_segments, head_slice, remote_layouts
+from .kv_layout import block_segments, piece_layouts, remote_layouts
 from .load_stats import HOLD_CAUSES, Cause, count_outcome, record_transfer
 from .messages import Hello, HoldJob, LayoutInfo, Msg, Reply, WriteReq, Written
 from .producer_peers import reconnect
@@ -272,13 +272,11 @@ class Producer:
                                             dest.src_head, dest.dst_head, dest.num_heads)
             return (self.ctx.agent.write(peer, local, remote, timeout=self.ctx.cfg.transfer_timeout_s),
                     HoldState.POSTED)
-        ours = self.ctx.layout.kv_heads if self.ctx.layout is not None else 0
-        n = dest.num_heads
-        lg = self.ctx.layer_group
-        remote = block_segments(head_slice(remote_layouts(peer, info), info.kv_heads, dest.dst_head,
-                                           n or info.kv_heads), *flatten(dst_groups), lg)
-        local = block_segments(head_slice(self.ctx.local_layouts, ours, dest.src_head, n or ours),
-                               *flatten(src_groups), lg)
+        lo, lg_lo, re, lg_re = piece_layouts(self.ctx.local_layouts, self.ctx.layout, dest.src_head,
+                                             remote_layouts(peer, info), info, dest.dst_head, dest.num_heads,
+                                             self.ctx.layer_group, self.ctx.state_layers, False)
+        remote = block_segments(re, *flatten(dst_groups), lg_re)
+        local = block_segments(lo, *flatten(src_groups), lg_lo)
         return (self.ctx.agent.write(peer, local, remote, timeout=self.ctx.cfg.transfer_timeout_s),
                 HoldState.POSTED)
 

@@ -155,11 +155,6 @@ class KVTransportScheduler:
         if remote_bs != self.block_size and len(self.groups) > 1:
             self._fail_load(request, unhashed, groups_refusal(remote_bs, self.block_size), release=src)
             return
-        if self._has_state and src.remote_tp and src.remote_tp != self.tp_size:
-            self._fail_load(request, unhashed,
-                            f"the producer runs TP {src.remote_tp}, this engine TP {self.tp_size}: the Mamba / SSM "
-                            "state of a hybrid model is moved between engines of the same TP size only", release=src)
-            return
         if self.cfg.mode == "read" and remote_bs != self.block_size:
             # another block size: the producer's blocks holding our tokens, paired by token
             # position in the workers (block_sizes.py)

