@@ -115,7 +115,8 @@ def refusal(ours: LayoutInfo, peer: LayoutInfo, us: str = "local", them: str = "
         if ours.block_bytes * peer.block_size != peer.block_bytes * ours.block_size:
             diffs.append(f"block_bytes: {us} {ours.block_bytes} per {ours.block_size} tokens vs {them} "
                          f"{peer.block_bytes} per {peer.block_size} ({_FIX['block_bytes']})")
-        if ours.state != peer.state:  # state pages are moved whole: laid out alike
+        if ours.state is not None and peer.state is not None and ours.state != peer.state:
+            # state pages are moved whole: laid out alike (a side that does not say is not compared)
             diffs.append(f"Mamba state layout: {us} {ours.state} vs {them} {peer.state} (serve the same model with "
                          "the same dtypes and VLLM_SSM_CONV_STATE_LAYOUT on both engines)")
     elif not diffs:

@@ -76,7 +76,8 @@ def geometry(spec: Any, value: Any, tp_size: int, conv_dim_first: bool | None = 
 
     kind = str(getattr(getattr(spec, "mamba_type", None), "name", getattr(spec, "mamba_type", "")) or "").lower()
     shapes = [tuple(int(n) for n in shape) for shape in getattr(spec, "shapes", ())]
-    items = [torch.empty(0, dtype=d).element_size() for d in getattr(spec, "dtypes", ())]
+    dtypes = list(getattr(spec, "dtypes", ()))
+    items = [torch.empty(0, dtype=d).element_size() for d in dtypes]
     if kind != MAMBA2 or len(shapes) != 2 or len(items) != 2 or len(shapes[0]) != 2 or len(shapes[1]) != 3:
         return StateGeometry(kind if kind != MAMBA2 else f"{MAMBA2} with states of shapes {shapes}")
     offsets = [0, shapes[0][0] * shapes[0][1] * items[0]]
@@ -93,7 +94,8 @@ def geometry(spec: Any, value: Any, tp_size: int, conv_dim_first: bool | None = 
         return StateGeometry(f"{MAMBA2} with a conv state of {channels} channels for {heads} heads of {head_dim}")
     return StateGeometry(MAMBA2, heads=heads, total_heads=heads * tp_size, head_dim=head_dim, groups=bc // (2 * state),
                          state_size=state, conv_width=width, conv_dim_first=dim_first, conv_offset=offsets[0],
-                         conv_item=items[0], ssm_offset=offsets[1], ssm_item=items[1])
+                         conv_item=items[0], ssm_offset=offsets[1], ssm_item=items[1], conv_dtype=str(dtypes[0]),
+                         ssm_dtype=str(dtypes[1]))
 
 
 def _tensors(value: Any) -> list[Any]:

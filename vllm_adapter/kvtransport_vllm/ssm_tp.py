@@ -57,6 +57,8 @@ class StateGeometry(msgspec.Struct, frozen=True):
     conv_item: int = 0  # bytes per element
     ssm_offset: int = 0
     ssm_item: int = 0
+    conv_dtype: str = ""  # e.g. "torch.bfloat16": equal sizes are not equal types
+    ssm_dtype: str = ""
 
     @property
     def x_channels(self) -> int:
@@ -74,13 +76,16 @@ def resplit_problem(ours: StateGeometry | None, peer: StateGeometry | None, tp: 
     if ours is None and peer is None:
         return ""
     if ours is None or peer is None:
-        return "one side has Mamba / SSM state layers and the other not; serve the same model on both engines"
+        return ("one side did not describe its Mamba / SSM state (another model, or a kvtransport before state "
+                "re-splitting); serve the same model with the same kvtransport version on both engines, or use "
+                "equal TP sizes")
     kinds = {ours.kind, peer.kind}
     if kinds != {MAMBA2}:
         other = ", ".join(sorted(kinds - {MAMBA2}))
         return (f"the {other} state of this model is moved between engines of the same TP size only (its split "
                 "over TP ranks is known for Mamba2 layers only); use equal TP sizes")
-    for name in ("total_heads", "head_dim", "state_size", "conv_width", "conv_dim_first", "conv_item", "ssm_item"):
+    for name in ("total_heads", "head_dim", "state_size", "conv_width", "conv_dim_first", "conv_item", "ssm_item",
+                 "conv_dtype", "ssm_dtype"):
         a, b = getattr(ours, name), getattr(peer, name)
         if a != b:
             return f"Mamba state {name}: {a!r} vs {b!r}; serve the same model with the same dtypes on both engines"
