@@ -70,6 +70,7 @@ class FlashEngine033(TPEngine):
         self.engine_id = engine_id or f"{kv_role}-tp{tp}"
         self.served_model_name, self.dtype = None, "float32"
         self.sliding_window, self.layer_group, self.full_group = None, [0] * NUM_LAYERS, 0  # one group
+        self.mamba_groups, self.conv_dim_first = 0, False  # no Mamba layer
         self.vllm_config = self._config(kv_role, extra, policy)
         self.vllm_config.cache_config.num_gpu_blocks_override = num_blocks
         kv_heads = len(heads_of_rank(total_kv_heads, tp, 0))

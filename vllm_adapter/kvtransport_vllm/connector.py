@@ -262,8 +262,8 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._worker.on_metadata(self._meta())  # no-op when already taken at bind
         # A step without a forward (vLLM runs one while requests only wait for KV) has no
-        # attention metadata: only then may get_finished wait briefly for a peer's reply,
-        # since no running request is held up by it.
+        # attention metadata: only then may get_finished wait briefly for a WRITE's
+        # "written", since no running request is held up by it (worker._await_replies).
         self._worker.may_wait_for_replies = getattr(forward_context, "attn_metadata", None) is None
         self._worker.progress()
 

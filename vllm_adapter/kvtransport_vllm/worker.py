@@ -108,7 +108,7 @@ class KVTransportWorker:
         #: side-channel refusal totals at the last take_stats(), to report differences
         self._side_channel_reported = _side_channel_zero()
         #: set per step by the connector: no forward ran, so get_finished may wait briefly
-        #: for a producer's reply (KVTransportWorker._await_replies)
+        #: for a WRITE's "written" too, not only a READ's confirmation (_await_replies)
         self.may_wait_for_replies = True
         #: the last metadata taken (on_metadata is offered each step's metadata twice)
         self._taken_meta: KVTransportMetadata | None = None
@@ -314,8 +314,9 @@ class KVTransportWorker:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self.progress(finished_req_ids)
-        if self.may_wait_for_replies and any(self.consumer.awaiting_replies()):
-            self._await_replies(REPLY_WAIT_S)
+        clients, writes = self.consumer.awaiting_replies()
+        if clients or (writes and self.may_wait_for_replies):
+            self._await_replies(REPLY_WAIT_S, writes_too=self.may_wait_for_replies)
         with self.ctx.lock:
             sending, self.producer.done_sending = self.producer.done_sending, set()
             recving, self.consumer.done_recving = self.consumer.done_recving, set()
@@ -362,16 +363,20 @@ class KVTransportWorker:
         self._copying = waiting
         return done
 
-    def _await_replies(self, budget_s: float) -> None:
-        """Give loads that only wait for the producer's word (a READ's confirmation, a
-        WRITE's "written") up to ``budget_s`` to get it before this step ends: on a local
-        network it takes well under a millisecond, and otherwise the load would be reported
-        one engine step later. Bounded, and only in steps without a forward (the connector
-        sets ``may_wait_for_replies``) while such a load exists: no running request is held
-        up, and a silent peer costs such a step at most ``budget_s``."""
+    def _await_replies(self, budget_s: float, writes_too: bool) -> None:
+        """Give loads that only wait for the producer's word up to ``budget_s`` to get it
+        before this step ends: on a local network it takes well under a millisecond, and
+        otherwise the load would be reported one engine step later (a whole forward at
+        concurrency). A READ's confirmation is awaited in every step: it was just sent, for
+        a transfer that has ended. A WRITE's "written" (``writes_too``) only in steps without
+        a forward (the connector sets ``may_wait_for_replies``): it comes when the producer's
+        write ends, which may be many steps away. Bounded: a silent peer costs a step at most
+        ``budget_s``. Measured (docs/bench/E2E_LATENCY.md, kv-70b, concurrency 8): the
+        connector's own time per READ load 38 ms -> 8 ms, its report phase 26 -> 0.1 ms."""
         give_up = time.monotonic() + budget_s
         while (left := give_up - time.monotonic()) > 0:
             clients, writes = self.consumer.awaiting_replies()
+            writes = writes if writes_too else []
             if not clients and not writes:
                 return
             event = self.consumer.written_event if writes else None
