@@ -239,13 +239,12 @@ def test_doctor_names_pair_refusals_before_any_request():
     """A pair's properties (its block sizes, its models' KV cache groups) are known only once
     both engines run; ``kvtransport doctor`` makes the hand-shake's check on every rank before
     any request: a hybrid model between block sizes 32 and 16 is named with the fix."""
-    from harness import TEST_SECRET
-    from kvtransport_vllm.doctor import FIX_LAYOUT, run_doctor
+    from kvtransport_vllm.doctor import FIX_LAYOUT
+    from tp_harness import doctor
 
     P, C = _engines("read", 1, 1, 4, p_block_size=32, c_block_size=16, sliding_window=40)
     try:
-        port = lambda e: e.workers[0]._worker.port  # noqa: E731 - rank 0's side-channel port
-        v = run_doctor(("127.0.0.1", port(P)), ("127.0.0.1", port(C)), TEST_SECRET.encode(), timeout_s=20.0)
+        v = doctor(P, C)
         assert v.exit_code == 1
         [layout] = [f for f in v.problems if f.check == "layout"]
         assert "block sizes 32 (producer) and 16 (consumer)" in layout.message, layout.message

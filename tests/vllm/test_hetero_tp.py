@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import pytest
 
@@ -26,17 +27,20 @@ LONG_LEASE = 120.0  # longer than any test here may run: a hold freed is freed b
 
 def _engines(mode: str, p: int, d: int, heads: int, *, timeout_s: float = 10.0, lease_s: float = LONG_LEASE,
              p_rank_extra=None, c_rank_extra=None, policy: str = "recompute", c_block_size: int = 16,
-             mla: bool = False, sliding_window: int | None = None, p_block_size: int = 16):
+             mla: bool = False, sliding_window: int | None = None, p_block_size: int = 16, **model: Any):
+    """A prefill engine of TP ``p`` and a decode engine of TP ``d`` serving a model of
+    ``heads`` KV heads; ``model``: TPEngine's other model options, for both (e.g. a hybrid
+    SSM model's ``mamba_groups``)."""
     base = free_port_base(16)
     common = {"backend": "loopback", "mode": mode, "transfer_timeout_s": timeout_s, "lease_s": lease_s,
               "side_channel_host": "127.0.0.1"}
     P = TPEngine("kv_producer", {**common, "side_channel_port": base}, tp=p, total_kv_heads=heads,
                  engine_id="P", rank_extra=p_rank_extra, mla=mla, sliding_window=sliding_window,
-                 block_size=p_block_size)
+                 block_size=p_block_size, **model)
     try:
         C = TPEngine("kv_consumer", {**common, "side_channel_port": base + 8}, tp=d, total_kv_heads=heads,
                      engine_id="C", rank_extra=c_rank_extra, policy=policy, block_size=c_block_size, mla=mla,
-                     sliding_window=sliding_window)
+                     sliding_window=sliding_window, **model)
     except BaseException:
         P.close()
         raise

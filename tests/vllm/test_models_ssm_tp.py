@@ -18,59 +18,17 @@ from __future__ import annotations
 
 import pytest
 
-from harness import free_port_base, prompt_of
-from tp_harness import TPEngine, run_until
+from harness import prompt_of
+from test_hetero_tp import _assert_nothing_left, _engines, _prefill, _run_load
+from tp_harness import TPEngine, doctor
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-from vllm.v1.request import RequestStatus
-
-LONG_LEASE = 120.0
-
-
-def _engines(mode: str, p: int, d: int, *, groups: int, kv_heads: int = 4, conv_dim_first: bool = False,
-             kind=None) -> tuple[TPEngine, TPEngine]:
-    base = free_port_base(16)
-    common = {"backend": "loopback", "mode": mode, "transfer_timeout_s": 10.0, "lease_s": LONG_LEASE,
-              "side_channel_host": "127.0.0.1"}
-    opts = dict(total_kv_heads=kv_heads, mamba_groups=groups, conv_dim_first=conv_dim_first, mamba_kind=kind)
-    P = TPEngine("kv_producer", {**common, "side_channel_port": base}, tp=p, engine_id="P", **opts)
-    try:
-        C = TPEngine("kv_consumer", {**common, "side_channel_port": base + 8}, tp=d, engine_id="C", **opts)
-    except BaseException:
-        P.close()
-        raise
-    return P, C
-
-
-def _prefill(P: TPEngine, prompt: list[int]) -> dict:
-    params: dict[str, dict] = {}
-    P.add("p1", prompt, 1, {"do_remote_decode": True})
-    run_until([P], lambda: "p1" in params, on_params=params.update)
-    return params["p1"]
 
 
 def _decode(P: TPEngine, C: TPEngine, prompt: list[int]) -> list | None:
-    """Run the decode request to its end; the attention head slices that differed from the
-    prefill's when it first ran with its prompt computed (None: never seen so)."""
-    C.add("c1", prompt, 3, _prefill(P, prompt))
-    bad: list = []
-
-    def ended() -> bool:
-        req = C.scheduler.requests.get("c1")
-        if not bad and req is not None and C.status("c1") == RequestStatus.RUNNING \
-                and req.num_computed_tokens >= len(prompt):
-            bad.append(C.bad_heads("c1", prompt))
-        return req is None
-
-    run_until([P, C], ended, timeout=30.0)
-    return bad[0] if bad else None
-
-
-def _assert_nothing_left(P: TPEngine, C: TPEngine) -> None:
-    run_until([P, C], lambda: not P.scheduler.requests and not C.scheduler.requests
-              and all(not w._worker.producer.holds for w in P.workers)
-              and all(not w._worker.consumer.recv for w in C.workers), timeout=20.0)
-    assert P.free_blocks() == P.free0, "producer leaked blocks"
-    assert C.free_blocks() == C.free0, "consumer leaked blocks"
+    """Prefill, then decode to the end; the attention head slices that differed from the
+    prefill's when the decode first ran with its prompt computed (None: never seen so)."""
+    C.add("c1", prompt, 3, _prefill(P, "p1", prompt))
+    return _run_load(P, C, "c1", prompt).bad
 
 
 CASES = [
@@ -87,7 +45,7 @@ CASES = [
 @pytest.mark.parametrize("mode", ["read", "write"])
 @pytest.mark.parametrize("p, d, groups, heads", CASES, ids=[f"tp{p}to{d}-g{g}" for p, d, g, _ in CASES])
 def test_mamba_state_is_resplit_across_tp_sizes(mode, p, d, groups, heads):
-    P, C = _engines(mode, p, d, groups=groups, kv_heads=heads)
+    P, C = _engines(mode, p, d, heads, mamba_groups=groups)
     try:
         prompt = prompt_of(70, seed=p * 10 + d + groups)
         assert _decode(P, C, prompt) == [], "attention head slices differ from the prefill's"
@@ -117,7 +75,7 @@ def conv_state_channels_first(monkeypatch):
 @pytest.mark.parametrize("mode", ["read", "write"])
 def test_mamba_conv_state_channels_first_is_resplit(mode, conv_state_channels_first):
     """vLLM's other conv state layout (``VLLM_SSM_CONV_STATE_LAYOUT=DS``: channels, then width)."""
-    P, C = _engines(mode, 2, 1, groups=2, conv_dim_first=True)
+    P, C = _engines(mode, 2, 1, 4, mamba_groups=2, conv_dim_first=True)
     try:
         prompt = prompt_of(50, seed=5)
         assert _decode(P, C, prompt) == []
@@ -129,15 +87,15 @@ def test_mamba_conv_state_channels_first_is_resplit(mode, conv_state_channels_fi
         C.close()
 
 
-@pytest.mark.parametrize("why, opts", [
-    ("state of this model is moved between engines of the same TP size only",
-     dict(groups=2, kind=MambaAttentionBackendEnum.SHORT_CONV)),
-    ("attention heads are replicated", dict(groups=1, kv_heads=1)),
+@pytest.mark.parametrize("why, heads, opts", [
+    ("state of this model is moved between engines of the same TP size only", 4,
+     dict(mamba_groups=2, mamba_kind=MambaAttentionBackendEnum.SHORT_CONV)),
+    ("attention heads are replicated", 1, dict(mamba_groups=1)),
 ], ids=["other-state-kind", "replicated-attention-heads"])
-def test_mamba_state_that_cannot_be_resplit_is_refused_at_the_hand_shake(why, opts, caplog):
+def test_mamba_state_that_cannot_be_resplit_is_refused_at_the_hand_shake(why, heads, opts, caplog):
     """The load fails in its first round trip, before any byte moves, naming why; vLLM's
     load failure policy (recompute) then computes the prompt, and the state is one engine's."""
-    P, C = _engines("read", 2, 1, **opts)
+    P, C = _engines("read", 2, 1, heads, **opts)
     try:
         prompt = prompt_of(60, seed=9)
         with caplog.at_level("ERROR", logger="kvtransport_vllm"):
@@ -152,22 +110,14 @@ def test_mamba_state_that_cannot_be_resplit_is_refused_at_the_hand_shake(why, op
         C.close()
 
 
-def _doctor(P: TPEngine, C: TPEngine):
-    from harness import TEST_SECRET
-    from kvtransport_vllm.doctor import run_doctor
-
-    base = lambda e: e.workers[0]._worker.port  # noqa: E731 - rank 0's side-channel port
-    return run_doctor(("127.0.0.1", base(P)), ("127.0.0.1", base(C)), TEST_SECRET.encode(), timeout_s=20.0)
-
-
 def test_doctor_names_a_state_that_cannot_be_resplit_before_any_request():
     """What an operator runs when deploying a pair: ``kvtransport doctor`` makes the
     hand-shake's own check on every rank before any request, and names the refusal."""
     from kvtransport_vllm.doctor import FIX_LAYOUT
 
-    P, C = _engines("read", 2, 1, groups=2, kind=MambaAttentionBackendEnum.SHORT_CONV)
+    P, C = _engines("read", 2, 1, 4, mamba_groups=2, mamba_kind=MambaAttentionBackendEnum.SHORT_CONV)
     try:
-        v = _doctor(P, C)
+        v = doctor(P, C)
         assert v.exit_code == 1
         [layout] = [f for f in v.problems if f.check == "layout"]
         assert "moved between engines of the same TP size only" in layout.message and layout.fix == FIX_LAYOUT
@@ -177,9 +127,9 @@ def test_doctor_names_a_state_that_cannot_be_resplit_before_any_request():
 
 
 def test_doctor_calls_a_mamba2_pair_of_different_tp_sizes_healthy():
-    P, C = _engines("read", 2, 1, groups=2)
+    P, C = _engines("read", 2, 1, 4, mamba_groups=2)
     try:
-        v = _doctor(P, C)
+        v = doctor(P, C)
         assert v.healthy, v.render()
         assert set(v.moved) == {"prefill rank 0", "prefill rank 1", "decode rank 0"}
     finally:

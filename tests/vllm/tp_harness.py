@@ -401,6 +401,17 @@ class TPEngine:
             w.shutdown()
 
 
+def doctor(prefill: TPEngine, decode: TPEngine) -> Any:
+    """``kvtransport doctor`` run on this pair as an operator would: each engine's rank 0
+    side-channel address and the cluster secret (the verdict: ``run_doctor``'s)."""
+    from kvtransport_vllm.doctor import run_doctor
+
+    def address(engine: TPEngine) -> tuple[str, int]:
+        return "127.0.0.1", engine.workers[0]._worker.port
+
+    return run_doctor(address(prefill), address(decode), harness.TEST_SECRET.encode(), timeout_s=20.0)
+
+
 def run_until(engines: Iterable[TPEngine], cond: Callable[[], bool], timeout: float = 20.0,
               on_params: Callable[[dict], None] | None = None) -> None:
     """harness.run_until over multi-rank engines (anything with ``step()``), 20 s default."""
