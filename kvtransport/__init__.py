@@ -21,7 +21,7 @@ from .memory import MemoryRegion, RemoteMemoryRegion
 from .registry import BackendInfo, available_backends, installed_backends
 from .segments import BlockLayout, Segments, merge_pairs
 from .spi import Op
-from .transfer import PreparedTransfer, State, Transfer, TransferOwner, TransferStatus
+from .transfer import PreparedTransfer, State, Transfer, TransferOwner, TransferStatus, wait_any
 
 __version__ = "0.1.0"
 
@@ -32,5 +32,5 @@ __all__ = [
     "Agent", "AgentConfig", "BackendInfo", "BlockLayout", "FaultPlan", "MemoryRegion",
     "Notification", "Op", "Peer", "PreparedTransfer", "RemoteMemoryRegion", "Segments", "State",
     "Transfer", "TransferOwner", "TransferStatus", "available_backends", "errors",
-    "installed_backends", "merge_pairs", "open", "open_agent",
+    "installed_backends", "merge_pairs", "open", "open_agent", "wait_any",
 ]

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from .peer import Peer
 
 __all__ = ["State", "TransferStatus", "Transfer", "TransferOwner", "PreparedTransfer",
-           "FinishedTransfers"]
+           "FinishedTransfers", "wait_any"]
 
 
 class State(str, enum.Enum):
@@ -293,6 +293,34 @@ class Transfer:
             f"Transfer(id={self.id}, op={self.op.name}, peer={self.peer.name!r}, "
             f"nbytes={self.nbytes}, state={st.state.value}{', ' + st.reason if st.reason else ''})"
         )
+
+
+def wait_any(transfers: list[Transfer], timeout: float) -> list[Transfer]:
+    """Block until at least one of ``transfers`` is no longer PENDING, or ``timeout`` s pass;
+    return those that are not (``[]`` on timeout), in the order given.
+
+    Why: a thread that acts on whichever of several transfers ends first (e.g. to tell a
+    peer at once that its data has landed) would otherwise sleep on one and notice the
+    others late, or spin. All ``transfers`` must come from one agent: its backend's
+    progress signals wake the wait, as in :meth:`Transfer.wait`, and the earliest
+    deadline among them bounds each sleep (polling is what enforces a deadline)."""
+    if not transfers:
+        return []
+    owner = transfers[0]._owner
+    if any(t._owner is not owner for t in transfers):
+        raise ValueError("wait_any: the transfers come from different agents; wait on each agent's own")
+    limit = time.monotonic() + timeout
+    sleep = 5e-5
+    while True:
+        token = owner.progress_token()  # taken before looking, so no signal is missed
+        ended = [t for t in transfers if t.status().state is not State.PENDING]
+        now = time.monotonic()
+        if ended or now >= limit:
+            return ended
+        nap = SIGNALLED_WAIT_CAP_S if all(t.awaits_signal for t in transfers) else sleep
+        deadline = min(t.deadline for t in transfers)
+        owner.wait_for_progress(token, min(nap, limit - now, max(deadline - now, 0.0) + 1e-4))
+        sleep = min(sleep * 2, 2e-3)
 
 
 @dataclass(frozen=True, eq=False)

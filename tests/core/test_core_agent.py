@@ -380,6 +380,35 @@ def test_delayed_completion_reported_done_after_the_delay():
         b.close()
 
 
+def test_wait_any_returns_whichever_ends_first_and_keeps_deadlines():
+    """``kvt.wait_any``: the transfer that ends first is returned while the other is still
+    pending; a silent one is failed by its own deadline while waited on (nobody else
+    polls); a wait that times out returns nothing; transfers of two agents are refused."""
+    a = kvt.open("loopback", name="wa-a", faults=kvt.FaultPlan(hang_rate=1.0))
+    b = kvt.open("loopback", name="wa-b")
+    c = kvt.open("loopback", name="wa-c", faults=kvt.FaultPlan(delay_s=0.3))
+    try:
+        ra, rb, rc = a.register(np.zeros(SIZE, np.uint8)), b.register(_src(3)), c.register(np.zeros(SIZE, np.uint8))
+        peer_ab, peer_cb = _connect(a, b), _connect(c, b)
+        slow = a.read(peer_ab, ra.segments([0], [4096]), peer_ab.region(rb.id).segments([0], [4096]), timeout=30)
+        soon = a.read(peer_ab, ra.segments([4096], [4096]), peer_ab.region(rb.id).segments([4096], [4096]),
+                      timeout=0.3)
+        ended = kvt.wait_any([slow, soon], timeout=20)
+        assert ended == [soon] and soon.finished_at >= soon.deadline
+        assert soon.last_status.state is kvt.State.FAILED and "deadline" in soon.last_status.reason
+        assert slow.last_status.state is kvt.State.PENDING
+        delayed = c.read(peer_cb, rc.whole(), peer_cb.region(rb.id).whole(), timeout=10)
+        assert kvt.wait_any([delayed], timeout=0.01) == []  # reported 0.3 s after its post
+        assert kvt.wait_any([delayed], timeout=20) == [delayed]
+        assert delayed.last_status.state is kvt.State.DONE and np.array_equal(rc.owner, rb.owner)
+        with pytest.raises(ValueError, match="different agents"):
+            kvt.wait_any([slow, delayed], timeout=0.01)
+    finally:
+        a.close()
+        b.close()
+        c.close()
+
+
 # -- fault injection: notifications and dead peers ------------------------------------------
 
 def test_dropped_and_duplicated_notifications_are_counted():

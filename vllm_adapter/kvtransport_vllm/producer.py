@@ -29,9 +29,11 @@ keeps its blocks until a later Cancel, after the write has ended (NOTIFY), is ac
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import kvtransport as kvt
 
@@ -43,6 +45,9 @@ from .kv_layout import block_segments, piece_layouts, remote_layouts
 from .load_stats import HOLD_CAUSES, Cause, count_outcome, record_transfer
 from .messages import Hello, HoldJob, LayoutInfo, Msg, Reply, WriteReq, Written
 from .producer_peers import reconnect
+
+if TYPE_CHECKING:
+    from .side_channel import SideChannelClient
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +95,8 @@ class Producer:
         #: not for a lease only: a consumer rank whose cancel we acked has handed its blocks
         #: back, so a write request of its that arrives late must never be written
         self.early_finished: OrderedDict[str, tuple[int, dict[int, str]]] = OrderedDict()
+        #: set whenever a write is posted: wakes the :class:`~.written_notifier.WrittenNotifier`
+        self.posted = threading.Event()
 
     # ------------------------------------------------------------------ engine thread
     def add(self, jobs: list[HoldJob], now: float) -> None:
@@ -156,17 +163,11 @@ class Producer:
                 return
             state = h.state
         if state is HoldState.POSTED:
-            if not self._write_ended(h):
+            if not self.write_ended(h):
                 return
             state = HoldState.NOTIFY
         if state is HoldState.NOTIFY:
-            if now - h.last_sent > 0.05:
-                assert h.dest is not None
-                h.notify_cid = self.ctx.client_to(h.dest.host, h.dest.port).send(
-                    Written(key=h.key, ok=h.write_ok, reason=h.write_reason, rank=self.ctx.tp_rank,
-                            load=h.dest.load))
-                h.notify_cids.add(h.notify_cid)
-                h.last_sent = now
+            self.tell_written(h, self.ctx.client_to)
             with self.ctx.lock:
                 if now >= h.expiry and h.key in self.holds:  # consumer never acked: gone
                     self.end_hold(h, "expired")
@@ -184,16 +185,31 @@ class Producer:
             dest = h.dest
             h.state = HoldState.POSTING  # before the lock is released (module invariant)
         self._post_write(h, dest)
+        if self.write_ended(h) or h.state is HoldState.NOTIFY:  # ended inside post, or refused
+            self.tell_written(h, self.ctx.client_to)
 
-    def _write_ended(self, h: Hold) -> bool:
-        """POSTED -> NOTIFY once the write has ended and nothing more can land (T3)."""
-        st = h.write.status()  # outside the lock: polling may drive the backend
+    def posted_holds(self) -> list[Hold]:
+        """The holds whose write is in flight (POSTED), for the notifier thread."""
+        with self.ctx.lock:
+            return [h for h in self.holds.values() if h.state is HoldState.POSTED]
+
+    def write_ended(self, h: Hold) -> bool:
+        """POSTED -> NOTIFY once the write has ended and nothing more can land (T3).
+
+        Called by the engine thread (each step) and the notifier thread (as soon as the
+        write ends): the transition is made once, by whichever sees it first."""
+        write = h.write
+        if write is None:
+            return False
+        st = write.status()  # outside the lock: polling may drive the backend
         if st.state is kvt.State.PENDING:
             return False
         if st.state is kvt.State.FAILED and not st.quiesced:
             return False  # keep the blocks aside until nothing more can land (T3)
         ok = st.state is kvt.State.DONE
         with self.ctx.lock:
+            if h.state is not HoldState.POSTED or h.write is not write:
+                return h.state is HoldState.NOTIFY and h.write is write  # the other thread did it
             if not ok and h.dest is not None and self.consumer_peers.get(h.dest.engine) is h.write.peer:
                 self.retired_peers[h.dest.engine] = self.consumer_peers.pop(h.dest.engine)
             if ok:
@@ -203,6 +219,27 @@ class Producer:
             else:
                 self.ctx.stats["failures"] += 1
             h.state, h.write_ok, h.write_reason, h.last_sent = HoldState.NOTIFY, ok, st.reason, 0.0
+        return True
+
+    def tell_written(self, h: Hold, client_to: Callable[[str, int], SideChannelClient]) -> bool:
+        """Send "written" for a NOTIFY hold unless it was sent in the last 50 ms (then the
+        consumer's ack is awaited; it is sent again until acked or the lease lapses).
+        True if sent.
+
+        ``client_to``: the calling thread's own clients (a DEALER socket serves one thread);
+        a reply comes back on the client that sent, and is handed to :meth:`on_reply`."""
+        now = time.monotonic()
+        with self.ctx.lock:
+            if h.key not in self.holds or h.state is not HoldState.NOTIFY or now - h.last_sent <= 0.05:
+                return False
+            assert h.dest is not None
+            h.last_sent, dest = now, h.dest
+            msg = Written(key=h.key, ok=h.write_ok, reason=h.write_reason, rank=self.ctx.tp_rank, load=dest.load)
+        cid = client_to(dest.host, dest.port).send(msg)
+        with self.ctx.lock:
+            if h.dest is dest:  # not moved on to a next reader meanwhile
+                h.notify_cid = cid
+                h.notify_cids.add(cid)
         return True
 
     def _post_write(self, h: Hold, dest: Dest) -> None:
@@ -237,6 +274,7 @@ class Producer:
             if next_state is HoldState.POSTED:
                 h.write = write
                 self.ctx.stats["transfers"] += 1
+                self.posted.set()
             elif next_state is HoldState.NOTIFY:
                 h.write_ok, h.write_reason, h.last_sent = fail is None, fail or "", 0.0
 

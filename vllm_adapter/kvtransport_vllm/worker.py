@@ -48,6 +48,7 @@ from .side_channel import SideChannelServer, wait_for_any
 from .ssm_tp import StateGeometry
 from .staging import Fence, HostKV, HostStaging, KVDevice, make_kv_device, merge_group_ids
 from .tp_mapping import TPMappingError
+from .written_notifier import WrittenNotifier
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,8 @@ class KVTransportWorker:
         self._copying: list[tuple[Fence, set[str]]] = []
         #: layer-wise WRITE (layerwise_write): set when the KV caches are registered
         self.layerwise: LayerwiseWriter | None = None
+        #: WRITE-mode producer: tells "written" as soon as a write ends (written_notifier.py)
+        self._notifier: WrittenNotifier | None = None
 
     # ------------------------------------------------------------------ shared state
     @property
@@ -199,6 +202,8 @@ class KVTransportWorker:
         )
         ctx.agent_md = ctx.agent.metadata()
         self._start_layerwise(list(kv_caches))
+        if self.cfg.is_producer and self.cfg.mode == "write":
+            self._notifier = WrittenNotifier(self.producer, ctx.new_client, self.name)
         try:
             self.server = SideChannelServer(
                 self.cfg.side_channel_host,
@@ -209,6 +214,7 @@ class KVTransportWorker:
                 bind_host=self.cfg.side_channel_bind_host,
             )
         except Exception:
+            self._close_notifier()
             ctx.agent.close()
             ctx.agent = None
             raise
@@ -268,11 +274,17 @@ class KVTransportWorker:
             c.close()
         self.consumer.peers.clear()
         self.ctx.reply_clients.clear()
+        self._close_notifier()  # before the agent: it polls the agent's transfers
         if self.ctx.agent is not None:
             self.ctx.agent.close()
             self.ctx.agent = None
         self._copying.clear()
         self.kv_device.close()  # after the agent: the transport no longer uses the mirror
+
+    def _close_notifier(self) -> None:
+        if self._notifier is not None:
+            self._notifier.close()
+            self._notifier = None
 
     # ------------------------------------------------------------------ per step
     def on_metadata(self, meta: KVTransportMetadata | None) -> None:
