@@ -637,8 +637,9 @@ def report(results: dict[str, dict[str, dict[str, Any]]], phases: dict[str, Any]
     rows = [(name, wl, ph) for name, by_wl in phases.items() for wl, ph in by_wl.items() if ph]
     if rows:
         print("\n## KVTransportConnector: where a remote load's time goes (decode engine's stats, mean ms per load)")
-        print("| setup | workload | " + " | ".join(PHASES) + " | connector's own (total - transfer) |")
-        print("|---" * (len(PHASES) + 3) + "|")
+        print("| setup | workload | " + " | ".join(PHASES)
+              + " | connector's own (total - transfer - step) | total - transfer |")
+        print("|---" * (len(PHASES) + 4) + "|")
         for name, wl, ph in rows:
             cells, mean = [], {}
             for p in PHASES:
@@ -646,11 +647,12 @@ def report(results: dict[str, dict[str, dict[str, Any]]], phases: dict[str, Any]
                 mean[p] = 1000 * total / count if count else float("nan")
                 cells.append(f"{mean[p]:.2f}" if count else "—")
             n = int(ph.get("total", (0, 0))[1])
-            print(f"| {name} | {wl} (n={n}) | " + " | ".join(cells) + f" | {mean['total'] - mean['transfer']:.2f} |")
+            own = mean["total"] - mean["transfer"]
+            print(f"| {name} | {wl} (n={n}) | " + " | ".join(cells) + f" | {own - mean['step']:.2f} | {own:.2f} |")
 
 
 #: The connector's load phases as exported on /metrics (kvtransport_vllm.prom_metrics).
-PHASES = ("queued", "handshake", "transfer", "confirm", "report", "total")
+PHASES = ("queued", "handshake", "transfer", "confirm", "step", "report", "total")
 
 
 def plot(results: dict[str, dict[str, dict[str, Any]]], wls: list[str], out: Path) -> None:

@@ -118,3 +118,29 @@ def test_grafana_dashboard_uses_only_exported_series(pairs):
     dash = json.loads((Path(__file__).resolve().parents[2] / "examples" / "grafana-kvtransport.json").read_text())
     used = {n for p in dash["panels"] for t in p["targets"] for n in re.findall(r"vllm:kvtransport_\w+", t["expr"])}
     assert used and not used - exported, f"dashboard series not exported: {sorted(used - exported)}"
+
+
+def test_a_write_load_that_settles_during_a_forward_books_the_wait_as_step(pairs):
+    """The producer's "written" arrives while the decode engine is not stepping (as inside a
+    forward): vLLM can hear of the load only when the engine's step ends, so that wait is
+    the ``step`` phase, not the connector's (confirm and report stay 0)."""
+    from kvtransport_vllm.recv import RecvState
+    from harness import run_until
+
+    pair = pairs("write")
+    prompt = prompt_of(70)
+    params = pair.prefill("p1", prompt)
+    producer, consumer = pair.P.worker._worker.producer, pair.C.worker._worker.consumer
+    run_until([pair.P], lambda: bool(producer.holds))
+    pair.C.add("c1", prompt, 3, params)
+    run_until([pair.C], lambda: any(h.dest is not None for h in producer.holds.values()))
+    # only the producer steps: the decode engine is "in a forward" until "written" is in
+    run_until([pair.P], lambda: consumer.recv["c1"].state is RecvState.WRITE_WAIT and consumer.recv["c1"].written)
+    run_until([pair.C], lambda: "c1" not in consumer.recv)
+    pair.drain()
+    total = _feed(pair.C, _prom({"backend": "loopback", "mode": "write"})[0])
+    phases = {p: total.data["phase_s"][p] for p in PHASES}
+    assert phases["confirm"] == [0.0] and phases["report"] == [0.0], phases
+    assert phases["step"][0] > 0.0, phases
+    assert sum(phases[p][0] for p in PHASES[:-1]) == pytest.approx(phases["total"][0], rel=1e-6)
+    pair.assert_no_leak()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import kvtransport as kvt
@@ -73,7 +74,7 @@ class Consumer:
             if job.req_id in self.recv:
                 continue
             r = self.recv[job.req_id] = Recv(job, deadline=now + self.ctx.cfg.transfer_timeout_s, started=now,
-                                             clock=LoadClock(created=job.created_at, added=now))
+                                             clock=LoadClock(created=job.created_at, added=now, write=job.mode == "write"))
             if job.refused:  # unusable kv_transfer_params: a load error, nothing to contact
                 r.fail(Cause.PARAMS_REFUSED, job.refused)
                 self._finish(r, ok=False)
@@ -420,12 +421,13 @@ class Consumer:
                    if (p := self.peers.get((r.job.host, pc.port))) is not None}
         return list(clients.values()), writes
 
-    def report(self, req_ids: set[str], now: float) -> None:
-        """Record the outcome and phase timings of loads just handed to vLLM. Caller holds the lock."""
+    def report(self, req_ids: set[str], now: float, step_ends: Sequence[float] = ()) -> None:
+        """Record the outcome and phase timings of loads just handed to vLLM (``step_ends``:
+        see :meth:`LoadClock.phases`). Caller holds the lock."""
         for rid in req_ids:
             r = self.reporting.pop(rid, None)
             if r is not None and r.clock is not None:
-                record_load(self.ctx.stats, r.clock, now, r.cause)
+                record_load(self.ctx.stats, r.clock, now, r.cause, step_ends)
 
     def renew(self, now: float) -> None:
         """Renew the producer's lease on every key we still want (lifecycle: a slow but

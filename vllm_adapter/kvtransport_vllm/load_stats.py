@@ -13,20 +13,28 @@ its remote KV once vLLM had allocated its blocks)::
     handshake  the worker took it -> transfer posted (hand-shake with the producer if new)
     transfer   READ: posted -> bytes in place; WRITE: write requested -> producer's "written"
     confirm    READ: bytes in place -> producer confirmed its lease held (stale-read guard)
-    report     load ended -> handed to vLLM in ``get_finished`` (done_recving)
+    step       the load settled -> the end of the engine step it settled in (READ: the
+               confirmation taken; WRITE: "written" arrived): vLLM hears of a load only
+               when a step ends, so a load that settles during a forward waits for that
+               forward whatever the connector does, as a new request would
+    report     that step's end -> handed to vLLM in ``get_finished`` (done_recving): 0
+               unless the connector let a step end without reporting a settled load
+
+"The connector's own time" is ``total - transfer - step``.
 """
 
 from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["Cause", "HOLD_CAUSES", "LoadClock", "PHASES", "count_outcome", "new_stats", "record_load",
            "record_transfer"]
 
-PHASES = ("queued", "handshake", "transfer", "confirm", "report", "total")
+PHASES = ("queued", "handshake", "transfer", "confirm", "step", "report", "total")
 
 
 class Cause(str, enum.Enum):
@@ -59,22 +67,28 @@ class LoadClock:
 
     created: float  # time.time() when the scheduler allocated the blocks (0: unknown)
     added: float
+    write: bool = False  # WRITE load: settled when "written" arrived (``transferred``)
     added_wall: float = field(default_factory=time.time)
     posted: float = 0.0
     transferred: float = 0.0
     finished: float = 0.0
 
-    def phases(self, reported: float) -> dict[str, float]:
-        """Phase durations of a load that ended (reported = monotonic time handed to vLLM)."""
+    def phases(self, reported: float, step_ends: Sequence[float] = ()) -> dict[str, float]:
+        """Phase durations of a load that ended (reported = monotonic time handed to vLLM;
+        ``step_ends``: the times recent ``get_finished`` calls handed their loads over,
+        ascending, ``reported`` among them)."""
         posted = self.posted or self.finished
         transferred = self.transferred or self.finished
+        settled = min(transferred, self.finished) if self.write else self.finished
+        step_end = min(next((t for t in step_ends if t >= settled), reported), reported)
         queued = max(0.0, self.added_wall - self.created) if self.created else 0.0
         out = {
             "queued": queued,
             "handshake": max(0.0, posted - self.added),
             "transfer": max(0.0, transferred - posted),
-            "confirm": max(0.0, self.finished - transferred),
-            "report": max(0.0, reported - self.finished),
+            "confirm": max(0.0, settled - transferred),
+            "step": max(0.0, step_end - settled),
+            "report": max(0.0, reported - step_end),
         }
         out["total"] = queued + max(0.0, reported - self.added)
         return out
@@ -103,10 +117,11 @@ def record_transfer(stats: dict[str, Any], seconds: float, nbytes: int, nblocks:
     stats["transfer_blocks"].append(nblocks)
 
 
-def record_load(stats: dict[str, Any], clock: LoadClock, reported: float, cause: Cause) -> None:
+def record_load(stats: dict[str, Any], clock: LoadClock, reported: float, cause: Cause,
+                step_ends: Sequence[float] = ()) -> None:
     """A load handed to vLLM: its outcome, and its phases when it succeeded."""
     count_outcome(stats, "load", cause)
     if cause is not Cause.OK:
         return
-    for phase, seconds in clock.phases(reported).items():
+    for phase, seconds in clock.phases(reported, step_ends).items():
         stats["phase_s"][phase].append(seconds)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,6 +130,9 @@ class KVTransportWorker:
         self.layerwise: LayerwiseWriter | None = None
         #: WRITE-mode producer: tells "written" as soon as a write ends (written_notifier.py)
         self._notifier: WrittenNotifier | None = None
+        #: when the latest get_finished calls handed their loads to vLLM: a load's "step"
+        #: phase ends at the first of them after it settled (load_stats.LoadClock.phases)
+        self._step_ends: deque[float] = deque(maxlen=64)
 
     # ------------------------------------------------------------------ shared state
     @property
@@ -338,9 +342,11 @@ class KVTransportWorker:
             recving = self._copy_staged_loads(recving, failed, finished_req_ids)
         if self._copying:
             recving |= self._copies_done()
+        step_end = time.monotonic()  # after any staging copy: "report" ends when vLLM is told
+        self._step_ends.append(step_end)
         if recving:
-            with self.ctx.lock:  # after any staging copy: "report" ends when vLLM is told
-                self.consumer.report(recving, time.monotonic())
+            with self.ctx.lock:
+                self.consumer.report(recving, step_end, self._step_ends)
         return (sending or None), (recving or None)
 
     def _copy_staged_loads(self, recving: set[str], failed: set[str], finished_req_ids: set[str]) -> set[str]:
