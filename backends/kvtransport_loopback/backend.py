@@ -160,7 +160,8 @@ class LoopbackBackend(Backend):
 
     def describe(self) -> dict[str, Any]:
         return {"cross_process": self.cma_ok, "cross_process_reason": self.cma_reason,
-                "threads": self.threads, "notify_addr": self.notify_addr,
+                "threads": self.threads, "copy_cpus": list(self._data.copy_cpus or []) or None,
+                "notify_addr": self.notify_addr,
                 "notification_refusals": self._rx.refusals,
                 "ptrace_scope": self.ptrace.scope, "ptrace_grant": self.ptrace.mode,
                 "ptrace_grants": self.ptrace.grants}

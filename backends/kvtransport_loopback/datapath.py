@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from kvtransport.errors import BackendOptionError
 from kvtransport.spi import Op, PollResult, PostRequest
 
 from . import cma
@@ -49,6 +51,31 @@ class Xfer:
         self.lock = threading.Lock()
 
 
+def _run_on(cpus: tuple[int, ...] | None) -> None:
+    """Copy thread start: confine this thread (only) to ``cpus`` when given."""
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)  # 0: the calling thread on Linux
+
+
+def check_cpus(cpus: tuple[int, ...]) -> None:
+    """Refuse at open ``copy_cpus`` this process may not run on (a copy thread started
+    there would fail to move, silently, onto them)."""
+    failure: list[BaseException] = []
+
+    def probe() -> None:
+        try:
+            _run_on(cpus)
+        except (OSError, ValueError, AttributeError) as exc:
+            failure.append(exc)
+
+    t = threading.Thread(target=probe, name="kvt-lb-cpu-probe")
+    t.start()
+    t.join()
+    if failure:
+        raise BackendOptionError(f"loopback backend: copy_cpus {list(cpus)}: a thread cannot run there "
+                                 f"({failure[0]}); name CPUs this process may use (its cpuset) or drop copy_cpus")
+
+
 class DataPath:
     """post / poll / cancel / quiesced of one loopback agent, and its copy threads."""
 
@@ -61,7 +88,11 @@ class DataPath:
         self.ptrace = ptrace
         self._peers = peers
         self._signal = signal_progress
-        self.copiers = ThreadPoolExecutor(self.threads, thread_name_prefix=f"kvt-lb-{agent_name}")
+        self.copy_cpus = opts.copy_cpus
+        if self.copy_cpus is not None:
+            check_cpus(self.copy_cpus)
+        self.copiers = ThreadPoolExecutor(self.threads, thread_name_prefix=f"kvt-lb-{agent_name}",
+                                          initializer=_run_on, initargs=(self.copy_cpus,))
         self.closed = False
 
     def post(self, req: PostRequest) -> Xfer:

@@ -224,3 +224,32 @@ def test_a_peer_with_our_pid_but_another_start_time_is_not_this_process(tmp_path
         assert be.connect("me-again", _blob_of(be.identity, tmp_path), []).same_process
     finally:
         be.close()
+
+
+def test_copy_cpus_confines_the_copy_threads_and_nothing_else():
+    """``copy_cpus``: the copies run on the named CPU (bytes intact), the thread that opened
+    the agent keeps its own CPUs, and CPUs this process may not use are refused at open."""
+    import kvtransport as kvt
+
+    mine = os.sched_getaffinity(0)
+    cpu = max(mine)
+    a = kvt.open("loopback", name="cc-a", copy_cpus=[cpu])
+    b = kvt.open("loopback", name="cc-b")
+    try:
+        src = np.random.default_rng(5).integers(0, 256, N, dtype=np.uint8)
+        dst = np.zeros(N, np.uint8)
+        ra, rb = a.register(dst), b.register(src)
+        b.connect(a.metadata())
+        peer = a.connect(b.metadata())
+        a.read(peer, ra.whole(), peer.region(rb.id).whole(), timeout=10).result(20)
+        assert np.array_equal(dst, src)
+        copiers = [t for t in threading.enumerate() if t.name.startswith("kvt-lb-cc-a")]
+        assert copiers, "the copy went inline, not through a copy thread"
+        assert all(os.sched_getaffinity(t.native_id) == {cpu} for t in copiers)
+        assert os.sched_getaffinity(0) == mine
+        assert a.describe()["copy_cpus"] == [cpu]
+    finally:
+        a.close()
+        b.close()
+    with pytest.raises(errors.BackendOptionError, match="copy_cpus"):
+        kvt.open("loopback", name="cc-bad", copy_cpus=[os.cpu_count() + 7])
