@@ -22,6 +22,9 @@ It starts every setup at once (prefill engines confined to CPU 0, decode engines
   (``kvt-read-switch``, ``kvt-read-sched-switch``) also sets ``gil_switch_interval_s: 0.0005``,
   the switch interval the connector used to set by default, and ``-noswitch`` sets 0
   (Python's own interval);
+* a ``-layerwise`` suffix: ``layerwise_write`` on both engines (router flow); ``-offcore`` after
+  it (or alone): the prefill engine's copies run on CPU 1 (loopback ``copy_cpus``), off the CPU
+  its forward computes on, as a NIC or copy engine would take them (only when asked for);
 * ``kvt-read-handover``, ``kvt-write-handover``  the first-token hand-over
   (``examples/disagg_proxy.py --first-token handover``): the first token is the prefill hop's
   (TTFT when the prefill answers), the decode hop continues from prompt + first token;
@@ -142,8 +145,12 @@ def make_workloads(vocab: int, setup_index: int, names: list[str]) -> list[Workl
 
 # ----------------------------------------------------------------------------- setups
 def kvt_config(role: str, mode: str, backend: str, port: int, spin_yield: str | None = None,
-               switch_interval_s: float | None = None, layerwise: bool = False) -> dict[str, Any]:
-    extra = {"backend": backend, "mode": mode, "side_channel_host": "127.0.0.1", "side_channel_port": port}
+               switch_interval_s: float | None = None, layerwise: bool = False,
+               copy_cpus: list[int] | None = None) -> dict[str, Any]:
+    extra: dict[str, Any] = {"backend": backend, "mode": mode, "side_channel_host": "127.0.0.1",
+                             "side_channel_port": port}
+    if copy_cpus is not None:
+        extra["backend_options"] = {"copy_cpus": copy_cpus}
     if layerwise:
         extra["layerwise_write"] = True
     if spin_yield:
@@ -206,6 +213,9 @@ def make_setup(name: str, model: Path, log_dir: Path) -> Setup:
         for suffix, mode in (("-sleep", "sleep"), ("-sched", "sched_yield")):
             if base.endswith(suffix):
                 base, spin = base[: -len(suffix)], mode
+        # "-offcore": the prefill engine's copies run on the decode engine's CPU (loopback
+        # copy_cpus), off the CPU its forward computes on, as a NIC or copy engine takes them
+        base, offcore = (base[: -len("-offcore")], True) if base.endswith("-offcore") else (base, False)
         # "-layerwise": layerwise_write (each layer pushed during the prefill; router flow only)
         base, layerwise = (base[: -len("-layerwise")], True) if base.endswith("-layerwise") else (base, False)
         # "-router": both hops sent at once (parallel dispatch), WRITE mode only
@@ -224,7 +234,7 @@ def make_setup(name: str, model: Path, log_dir: Path) -> Setup:
         pre_port, dec_port = harness.free_port(), harness.free_port()
         pre = harness.vllm_server(f"{name}-prefill", model, log_dir, cpu=0, env_extra=env,
                                   kv_transfer_config=kvt_config("kv_producer", mode, backend, pre_port, spin, switch,
-                                                                layerwise))
+                                                                layerwise, [1] if offcore else None))
         dec = harness.vllm_server(f"{name}-decode", model, log_dir, cpu=1, env_extra=env,
                                   kv_transfer_config=kvt_config("kv_consumer", mode, backend, dec_port, spin, switch,
                                                                 layerwise))
