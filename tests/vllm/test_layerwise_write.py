@@ -138,8 +138,11 @@ def _warm_up(pair: Pair) -> None:
 
 
 # ---------------------------------------------------------------------------- bytes
-def test_layerwise_write_pushes_each_chunk_during_the_prefill_and_bytes_match(lw_pairs):
-    pair = lw_pairs()
+@pytest.mark.parametrize("layers_per_post", [None, 2])
+def test_layerwise_write_pushes_each_chunk_during_the_prefill_and_bytes_match(lw_pairs, layers_per_post):
+    """Also with ``layerwise_layers_per_post`` 2: both layers in one post, from the second
+    layer's hook; every layer's bytes still arrive during the prefill."""
+    pair = lw_pairs(p_extra=None if layers_per_post is None else {"layerwise_layers_per_post": layers_per_post})
     _warm_up(pair)
     uuid = "00000000000000000000000000000a01"
     p_rid, c_rid = _router_ids(pair, uuid)
@@ -149,10 +152,12 @@ def test_layerwise_write_pushes_each_chunk_during_the_prefill_and_bytes_match(lw
     pair.P.add(p_rid, prompt, 1, {"do_remote_decode": True})
     pw = pair.P.worker._worker
 
+    posted_before = pw.agent.stats()["transfers_posted"]
     pair.P.step()  # first chunk: tokens 0..31, blocks 0 and 1 complete in every layer
     _settle_posts(pair, uuid)
     assert pair.P.status(p_rid) == RequestStatus.RUNNING, "the prefill is still running"
     assert uuid not in pw.producer.holds
+    assert pw.agent.stats()["transfers_posted"] - posted_before == (2 if layers_per_post is None else 1)
     # what a user checks: the decode engine already has the first chunk's KV, every layer
     assert pair.C.check_kv(c_rid, prompt, CHUNK) == [], "first chunk's blocks not pushed during the prefill"
     assert not _recvd(pair.C, c_rid), "load reported before the prefill ended"

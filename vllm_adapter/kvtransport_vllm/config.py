@@ -62,6 +62,8 @@ EXTRA_CONFIG_KEYS: dict[str, str] = {
     "layerwise_write": "false (default) or true: in mode write, a producer that knows the decode's block ids "
     "during its prefill (router flow) pushes each layer's completed blocks from save_kv_layer while the next "
     "layers compute; the rest follows when the prefill ends",
+    "layerwise_layers_per_post": "with layerwise_write: consecutive layers sent in one post (default: the layer "
+    "count / 8, rounded up, so at most 8 posts per prefill step; 1: every layer alone)",
     "kv_recompute_threshold": "decode side: a remote load of fewer tokens (beyond the local prefix hit) than this is "
     "not made, the prompt is computed locally and the producer's hold released at once; 0 (default) loads any",
     **LAYOUT_CONFIG_KEYS,
@@ -170,6 +172,8 @@ class ConnectorConfig:
     vllm_spin_yield: str = "auto"
     #: WRITE: push each layer's completed prompt blocks during the prefill (layerwise.py)
     layerwise_write: bool = False
+    #: layers per layer-wise post (0: the layer count / 8, rounded up; layerwise.py)
+    layerwise_layers_per_post: int = 0
     #: consumer: fewer remotely loadable tokens than this are computed locally (0: always load)
     kv_recompute_threshold: int = 0
     #: True when side_channel_host was chosen by this module (default route or
@@ -310,6 +314,8 @@ class ConnectorConfig:
             vllm_spin_yield=spin_yield,
             discovery=parse_discovery(extra),
             layerwise_write=layerwise,
+            layerwise_layers_per_post=(_num("layerwise_layers_per_post", 1, int)
+                                       if "layerwise_layers_per_post" in extra else 0),
             kv_recompute_threshold=(0 if extra.get("kv_recompute_threshold", 0) == 0
                                     else _num("kv_recompute_threshold", 0, int)),
         )

@@ -15,9 +15,10 @@ Two halves, like the connector:
   block once the prompt is done: a block is sent when it is complete, so under chunked
   prefill a block filled across chunks is sent in the chunk that completes it). Carried in
   :class:`LayerwiseMetadata`, the normal metadata plus :class:`LayerJob` rows.
-* :class:`LayerwiseWriter` (each worker): in ``save_kv_layer`` of layer *i*, one WRITE of
-  layer *i*'s bytes of those blocks per job whose single destination is known
-  (``Producer.early_dest``); the posts are polled each step. The producer's whole-request
+* :class:`LayerwiseWriter` (each worker): in ``save_kv_layer`` of the last layer of each
+  group of ``layerwise_layers_per_post`` layers, one WRITE of that group's bytes of those
+  blocks per job whose single destination is known (``Producer.early_dest``); the posts
+  are polled each step. The producer's whole-request
   path then sends only what no early write covered (:meth:`uncovered`), and only after
   every early write has ended.
 
@@ -181,11 +182,17 @@ class LayerwiseWriter:
     early destinations and ended keys); ``layer_index`` maps vLLM's layer names to the
     registered layouts; ``kv_device`` is the device ordering point run before each post."""
 
-    def __init__(self, ctx: WorkerContext, producer: Any, layer_index: dict[str, int], kv_device: KVDevice) -> None:
+    def __init__(self, ctx: WorkerContext, producer: Any, layer_index: dict[str, int], kv_device: KVDevice,
+                 layers_per_post: int = 0) -> None:
         self.ctx = ctx
         self.producer = producer
         self.layer_index = layer_index
         self.kv_device = kv_device
+        #: consecutive layers sent in one post. Why not each layer alone: a post costs the
+        #: engine thread about half a millisecond of Python (segments, validation, the
+        #: backend's post), which the prefill pays once per layer and step; 8 posts per step
+        #: keep the overlap (what is left after the prefill is the last group's bytes)
+        self.layers_per_post = layers_per_post or max(1, -(-len(layer_index) // 8))
         self.jobs: list[LayerJob] = []
         self.keys: dict[str, _KeyWrites] = {}
 
@@ -201,13 +208,18 @@ class LayerwiseWriter:
         layer = self.layer_index.get(layer_name)
         if layer is None:
             return
+        group = self.layers_per_post
+        if (layer + 1) % group and layer != len(self.layer_index) - 1:
+            return  # posted with the last layer of its group, once that layer has been computed
+        lo, hi = layer - layer % group, layer + 1
         for job in self.jobs:
             try:
-                self._post_layer(job, layer)
+                self._post_layers(job, lo, hi)
             except Exception as exc:  # a post refused: the hold's whole-request path sends it all
-                log.warning("layer-wise WRITE of %s layer %d refused: %s", job.key, layer, exc)
+                log.warning("layer-wise WRITE of %s layers %d..%d refused: %s", job.key, lo, hi - 1, exc)
 
-    def _post_layer(self, job: LayerJob, layer: int) -> None:
+    def _post_layers(self, job: LayerJob, lo: int, hi: int) -> None:
+        """Post layers ``[lo, hi)`` of this step's completed blocks of ``job``."""
         ctx, prod = self.ctx, self.producer
         with ctx.lock:
             early = prod.early_dest.get(job.key)
@@ -232,7 +244,7 @@ class LayerwiseWriter:
             src = np.asarray(job.block_ids, np.int64)[pos - job.first]
             dst = np.asarray(dest.block_ids, np.int64)[pos - offset]
             if kw is not None:  # complete blocks not yet posted for this layer to the same blocks
-                need = ~kw.posted[layer, pos] | (kw.src_at[pos] != src) | (kw.dst_at[pos] != dst)
+                need = ~kw.posted[lo:hi, pos].all(axis=0) | (kw.src_at[pos] != src) | (kw.dst_at[pos] != dst)
                 pos, src, dst = pos[need], src[need], dst[need]
                 if not len(pos):
                     return
@@ -254,11 +266,12 @@ class LayerwiseWriter:
             ours = ctx.layout.kv_heads if ctx.layout is not None else 0
             n = dest.num_heads
             remote = block_segments(head_slice(remote_layouts(peer, info), info.kv_heads, dest.dst_head,
-                                               n or info.kv_heads)[layer:layer + 1], dst)
-            local = block_segments(head_slice(ctx.local_layouts, ours, dest.src_head, n or ours)[layer:layer + 1], src)
+                                               n or info.kv_heads)[lo:hi], dst)
+            local = block_segments(head_slice(ctx.local_layouts, ours, dest.src_head, n or ours)[lo:hi], src)
             write = ctx.agent.write(peer, local, remote, timeout=ctx.cfg.transfer_timeout_s)
             posted = True
-            log.debug("layer-wise WRITE %s: layer %d, prompt blocks %d..%d", job.key, layer, int(pos[0]), int(pos[-1]))
+            log.debug("layer-wise WRITE %s: layers %d..%d, prompt blocks %d..%d", job.key, lo, hi - 1, int(pos[0]),
+                      int(pos[-1]))
         finally:
             with ctx.lock:
                 kw.posting -= 1
@@ -267,7 +280,7 @@ class LayerwiseWriter:
                     moved = (kw.src_at[pos] != src) | (kw.dst_at[pos] != dst)  # other blocks now
                     kw.posted[:, pos[moved]] = False
                     kw.src_at[pos], kw.dst_at[pos] = src, dst
-                    kw.posted[layer, pos] = True
+                    kw.posted[lo:hi, pos] = True
                 else:
                     kw.failed = True
 

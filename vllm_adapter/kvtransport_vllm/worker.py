@@ -256,7 +256,7 @@ class KVTransportWorker:
                 "KVTransportConnector: layerwise_write supports models with one KV cache group; this model has "
                 f"{len(set(self.ctx.layer_group))} (hybrid). Drop layerwise_write for it.")
         self.layerwise = LayerwiseWriter(self.ctx, self.producer, {n: i for i, n in enumerate(layer_names)},
-                                         self.kv_device)
+                                         self.kv_device, self.cfg.layerwise_layers_per_post)
         self.producer.layerwise = self.layerwise
 
     def save_kv_layer(self, layer_name: str) -> None:
