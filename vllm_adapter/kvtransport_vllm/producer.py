@@ -16,14 +16,13 @@ Hold states (:class:`HoldState`), changed only under the worker lock::
       v                                  |
     ended (blocks back to vLLM: done_sending) <--consumer acked / lease lapsed
 
-The invariant that keeps a write out of freed blocks (issue 12, point 1): **a hold whose
-write may be in flight (POSTING or POSTED) is never ended and never acknowledged**.
-The engine thread moves HELD -> POSTING *before* it releases the lock to call
-``agent.write`` (a backend may work inside ``post`` for milliseconds: UCX drives its
-worker there), so a Cancel / Release / Aborted / Done / lease lapse handled meanwhile by
-the side-channel thread sees POSTING, answers "pending" and keeps the hold; the consumer
-keeps its blocks until a later Cancel, after the write has ended (NOTIFY), is acked.
-:meth:`Producer.end_hold` refuses to end an in-flight hold, so no path can break it.
+The invariant that keeps a write out of freed blocks: **a hold whose write may be in
+flight (POSTING or POSTED) is never ended and never acknowledged**. The engine thread
+moves HELD -> POSTING *before* it releases the lock to call ``agent.write`` (UCX works
+inside ``post``), so a Cancel / Release / Aborted / Done / lease lapse handled meanwhile
+sees POSTING, answers "pending" and keeps the hold; :meth:`Producer.end_hold` refuses to
+end an in-flight hold, so no path can break it. POSTED -> NOTIFY and "written" are also
+made by the notifier thread (written_notifier.py) the moment the write ends.
 """
 
 from __future__ import annotations
@@ -54,14 +53,13 @@ log = logging.getLogger(__name__)
 __all__ = ["HoldState", "Hold", "Producer"]
 
 _RECENT = 65536  # remembered ended keys (late messages answered "expired", not "pending")
-#: consumer engines whose hand-shake is kept (the oldest is forgotten beyond: its next write
-#: request is answered "hello" and it hand-shakes again), so made-up engine ids cannot grow it
+#: consumer engines whose hand-shake is kept (beyond, the oldest is forgotten and asked to
+#: hand-shake again), so made-up engine ids cannot grow it
 _MAX_CONSUMERS = 1024
 
 
 def _remember(recent: OrderedDict, key: str, value: Any, bound: int = 0) -> None:
-    """Set ``recent[key]`` as its newest entry, forgetting the oldest beyond ``bound``
-    (default _RECENT)."""
+    """Set ``recent[key]`` as its newest entry, forgetting the oldest beyond ``bound`` or _RECENT."""
     recent[key] = value
     recent.move_to_end(key)
     while len(recent) > (bound or _RECENT):
@@ -123,10 +121,8 @@ class Producer:
             self.holds[j.key] = hold
 
     def note_aborted(self, key: str) -> None:
-        """Our request behind ``key`` was aborted: later "write into" / "done" / "renew"
-        for it are answered "aborted", not "pending" (nor "expired": the consumer must name
-        the same cause whether this answer or our Aborted notice reaches it first). Caller
-        holds the lock."""
+        """Our request behind ``key`` was aborted: later messages for it are answered
+        "aborted" (not "expired": the same cause as our Aborted notice). Caller holds the lock."""
         self.ended[key] = "aborted"
         self.early_dest.pop(key, None)
 
@@ -194,10 +190,8 @@ class Producer:
             return [h for h in self.holds.values() if h.state is HoldState.POSTED]
 
     def write_ended(self, h: Hold) -> bool:
-        """POSTED -> NOTIFY once the write has ended and nothing more can land (T3).
-
-        Called by the engine thread (each step) and the notifier thread (as soon as the
-        write ends): the transition is made once, by whichever sees it first."""
+        """POSTED -> NOTIFY once the write has ended and nothing more can land (T3); made
+        once, by the engine thread or the notifier thread, whichever sees the end first."""
         write = h.write
         if write is None:
             return False
@@ -222,12 +216,9 @@ class Producer:
         return True
 
     def tell_written(self, h: Hold, client_to: Callable[[str, int], SideChannelClient]) -> bool:
-        """Send "written" for a NOTIFY hold unless it was sent in the last 50 ms (then the
-        consumer's ack is awaited; it is sent again until acked or the lease lapses).
-        True if sent.
-
-        ``client_to``: the calling thread's own clients (a DEALER socket serves one thread);
-        a reply comes back on the client that sent, and is handed to :meth:`on_reply`."""
+        """Send "written" for a NOTIFY hold unless sent in the last 50 ms; True if sent.
+        ``client_to``: the calling thread's own clients (a DEALER socket serves one thread),
+        on which the ack comes back for :meth:`on_reply`."""
         now = time.monotonic()
         with self.ctx.lock:
             if h.key not in self.holds or h.state is not HoldState.NOTIFY or now - h.last_sent <= 0.05:
@@ -319,16 +310,10 @@ class Producer:
                 HoldState.POSTED)
 
     def _writes_in_flight_on(self, peer: Any) -> bool:
-        """Whether writes posted on ``peer`` (a retired connection) are still pending.
-
-        Why: one failed write retires its connection, and re-connecting disconnects the old
-        one, which fails every write still on it. A failure of one transfer (its deadline, a
-        refused post) says nothing of its siblings; failing them too would turn one failed
-        load into many. So the connection is re-made only once no write on it is pending:
-        new writes to that consumer wait (HELD) one transfer deadline at most, since the
-        core fails a pending write at its deadline. A write already failed but not yet
-        quiesced does not count: disconnecting cannot make it worse (its hold keeps the
-        blocks until it is quiesced either way)."""
+        """Whether writes posted on ``peer`` (a retired connection) are still pending. Why:
+        re-connecting fails every write still on the old connection, turning one failed load
+        into many; so new writes wait (HELD) until none is pending, one transfer deadline at
+        most. A failed, unquiesced write does not count (its hold keeps the blocks anyway)."""
         if peer is None:
             return False
         with self.ctx.lock:
@@ -355,9 +340,8 @@ class Producer:
                 self._dest_done(h, "done" if status == "ok" else "released")
 
     def _dest_done(self, h: Hold, how: str) -> None:
-        """The current destination's write has ended and its consumer rank is finished with
-        us: end the hold if it was the last reader, else go on with the next one. Caller
-        holds the lock; the hold is in NOTIFY or HELD (no write in flight)."""
+        """The current destination's rank is finished with us: end the hold if it was the
+        last reader, else go on with the next. Caller holds the lock; no write in flight."""
         assert h.dest is not None and not h.write_in_flight
         if h.finish_reader(h.dest.rank, how, 1):
             self.end_hold(h, how)
