@@ -249,28 +249,8 @@ class Transfer:
     def wait(self, timeout: float | None = None) -> TransferStatus:
         """Block until DONE/FAILED or ``timeout`` seconds pass (the transfer's own
         deadline bounds the wait anyway). Returns the status at that time."""
-        owner = self._owner
-        token = owner.progress_token()  # taken before looking, so no signal is missed
-        st = self.status()
-        if st.state is not State.PENDING:  # e.g. a copy finished inside post: nothing to set up
-            return st
-        limit = time.monotonic() + timeout if timeout is not None else float("inf")
-        sleep = 5e-5
-        while True:
-            now = time.monotonic()
-            if now >= limit:
-                return st
-            # Woken at once by a backend that signals progress. Otherwise a short back-off
-            # (also bounds the wait for a silent backend's deadline, which polling
-            # enforces), unless the backend promised a signal for this transfer's next
-            # change: then only the deadline or a safety cap ends the sleep.
-            nap = SIGNALLED_WAIT_CAP_S if self.awaits_signal else sleep
-            owner.wait_for_progress(token, min(nap, limit - now, max(self.deadline - now, 0.0) + 1e-4))
-            sleep = min(sleep * 2, 2e-3)
-            token = owner.progress_token()
-            st = self.status()
-            if st.state is not State.PENDING:
-                return st
+        wait_any([self], float("inf") if timeout is None else timeout)
+        return self._status  # the state the wait ended on (or a later one, set since)
 
     def result(self, timeout: float | None = None) -> None:
         """Wait, then raise :class:`TransferFailedError` unless DONE."""
@@ -317,6 +297,10 @@ def wait_any(transfers: list[Transfer], timeout: float) -> list[Transfer]:
         now = time.monotonic()
         if ended or now >= limit:
             return ended
+        # Woken at once by a backend that signals progress. Otherwise a short back-off (also
+        # bounds the wait for a silent backend's deadline, which polling enforces), unless
+        # the backend promised a signal for every transfer's next change: then only the
+        # deadline or a safety cap ends the sleep.
         nap = SIGNALLED_WAIT_CAP_S if all(t.awaits_signal for t in transfers) else sleep
         deadline = min(t.deadline for t in transfers)
         owner.wait_for_progress(token, min(nap, limit - now, max(deadline - now, 0.0) + 1e-4))

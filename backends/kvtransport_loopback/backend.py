@@ -160,7 +160,7 @@ class LoopbackBackend(Backend):
 
     def describe(self) -> dict[str, Any]:
         return {"cross_process": self.cma_ok, "cross_process_reason": self.cma_reason,
-                "threads": self.threads, "copy_cpus": list(self._data.copy_cpus or []) or None,
+                "threads": self.threads, "copy_cpus": None if self._data.copy_cpus is None else list(self._data.copy_cpus),
                 "notify_addr": self.notify_addr,
                 "notification_refusals": self._rx.refusals,
                 "ptrace_scope": self.ptrace.scope, "ptrace_grant": self.ptrace.mode,
