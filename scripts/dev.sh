@@ -7,8 +7,8 @@
 #
 # `test` requires the loopback, ucx, nixl and mooncake backends (KVT_REQUIRED_BACKENDS unless
 # set): a test that would skip one of them because it cannot run here fails instead.
-# After the main suite (vLLM 0.32 CPU build, in .venv) it runs tests/vllm033 in a second
-# venv with the official vLLM 0.33 wheel (.venv-vllm033, built by scripts/vllm033_venv.sh,
+# Besides the main suite (vLLM 0.32 CPU build, in .venv) it runs tests/vllm033 in a second
+# venv with the official vLLM 0.33 wheel (.venv-vllm033, built first by scripts/vllm033_venv.sh,
 # which re-installs only when it or pyproject.toml changed). The pytest options apply to the
 # main suite only. The exit status is non-zero if either run fails or the 0.33 venv cannot
 # be built.
@@ -64,6 +64,16 @@ install() {  # install LEVEL [EXTRAS]: LEVEL "core" installs the core (numpy, py
   echo "$want" > "$stamp"
 }
 
+warn_if_disk_short() {  # a fresh `test` set-up writes ~8 GiB (two venvs); say so before pip fails
+  local free_kib
+  free_kib=$(df -Pk . | awk 'NR == 2 {print $4}')
+  if [ -n "$free_kib" ] && [ "$free_kib" -lt $((9 * 1024 * 1024)) ]; then
+    echo "[dev.sh] warning: $((free_kib / 1024 / 1024)) GiB free here; a fresh test set-up needs" \
+         "about 9 GiB (.venv ~4.1, .venv-vllm033 ~3.8, pip's unpacking). Free space if pip fails" \
+         "with 'No space left on device'." >&2
+  fi
+}
+
 case "$cmd" in
   bench)
     # Options that need an extra get it installed first:
@@ -79,19 +89,25 @@ case "$cmd" in
     exec "$VENV/bin/kvtransport" bench "$@"
     ;;
   test)
+    [ -f "$VENV/.kvt-installed-full" ] && [ -f "${KVT_VENV033:-.venv-vllm033}/.kvt-vllm033-installed" ] \
+      || warn_if_disk_short
     install full
     # Backends that must run here: their tests FAIL instead of skipping when they cannot
     # (kvtransport/testing/required.py). Override: KVT_REQUIRED_BACKENDS= (none) or a list.
     export KVT_REQUIRED_BACKENDS="${KVT_REQUIRED_BACKENDS-loopback,ucx,nixl,mooncake}"
     status=0
-    "$VENV/bin/python" -m pytest tests --ignore=tests/vllm033 "$@" || status=$?
-    # vLLM 0.33's own layout resolution, planner and allocator (tests/vllm033): loopback only.
+    # vLLM 0.33's own layout resolution, planner and allocator (tests/vllm033, loopback only)
+    # run in a second venv. It is built before the main suite so that a set-up failure (a
+    # full disk, a missing wheel) shows at once rather than after the long run.
     VENV033=${KVT_VENV033:-.venv-vllm033}
-    if scripts/vllm033_venv.sh "$VENV033"; then
+    venv033_ok=1
+    scripts/vllm033_venv.sh "$VENV033" || venv033_ok=0
+    "$VENV/bin/python" -m pytest tests --ignore=tests/vllm033 "$@" || status=$?
+    if [ "$venv033_ok" = 1 ]; then
       KVT_REQUIRED_BACKENDS=loopback "$VENV033/bin/python" -m pytest tests/vllm033 -q || status=$?
     else
-      echo "[dev.sh] FAILED: could not build the vLLM 0.33 test venv $VENV033 (scripts/vllm033_venv.sh);" \
-           "tests/vllm033 did not run" >&2
+      echo "[dev.sh] FAILED: could not build the vLLM 0.33 test venv $VENV033 (scripts/vllm033_venv.sh," \
+           "output above); tests/vllm033 did not run" >&2
       status=1
     fi
     exit "$status"
