@@ -23,7 +23,7 @@ import pytest
 import kvtransport_vllm.side_channel as sc
 from harness import finish_reason, prompt_of
 from kvtransport_vllm.consumer import RecvState
-from kvtransport_vllm.messages import Hello, Renew
+from kvtransport_vllm.messages import Done, Hello, Renew
 from vllm.v1.request import RequestStatus
 
 TIMEOUT_S = 2.5
@@ -229,13 +229,17 @@ def test_queued_request_renews_lease(pairs, monkeypatch, renew):
 # ------------------------------------------------------------------ consumer stops progressing
 
 
-def test_stalled_consumer_lets_lease_lapse(pairs):
-    """C starts the READ, then stops stepping (hung engine): no progress, no renewal. P's
-    lease lapses on time, P frees (done_sending once). When C resumes, its load has also
-    passed its own deadline (``lease_s >= transfer_timeout_s`` means a lease renewed at the
-    load's start cannot lapse before the load's deadline; the confirm-after-lapse path is
-    the ``renew dropped`` control above): load error, recompute, the bytes read are never
-    used, no leak either side."""
+def test_stalled_consumer_lets_lease_lapse(pairs, monkeypatch):
+    """C starts the READ, then its process stalls: no engine step, no renewal, and nothing
+    its read-confirmer thread sends gets out (the two engines share this process, so the
+    stall is modelled by dropping C's confirmations until it resumes). P's lease lapses on
+    time, P frees (done_sending once). When C resumes, its load has also passed its own
+    deadline (``lease_s >= transfer_timeout_s`` means a lease renewed at the load's start
+    cannot lapse before the load's deadline; the confirm-after-lapse path is the ``renew
+    dropped`` control above): load error, recompute, the bytes read are never used, no
+    leak either side."""
+    stalled = [False]
+    dropped = _drop_sends(monkeypatch, lambda m: stalled[0] and isinstance(m, Done))
     pair = pairs("read", timeout_s=TIMEOUT_S, lease_s=LEASE_S, policy="recompute",
                  c_extra={"backend_options": {"faults": {"delay_s": 0.5, "seed": 5}}})
     prompt = prompt_of(50, seed=45)
@@ -243,6 +247,7 @@ def test_stalled_consumer_lets_lease_lapse(pairs):
     _hold_started(pair, "p1")
     pair.C.add("c1", prompt, 3, params)
     cw = pair.C.worker._worker
+    stalled[0] = True  # from before the READ is posted: its end may come at once
     pair.run(lambda: any(r.state is RecvState.READ for r in cw.consumer.recv.values()))  # READ posted
     # C is stalled: only P steps, past the lease
     pw = _producer_worker(pair)
@@ -263,6 +268,8 @@ def test_stalled_consumer_lets_lease_lapse(pairs):
     assert _times_sent(pair.P, "p1") == 1
     assert _stat(pair.P, "leases_expired") == 1
     assert pair.P.free_blocks() == pair.P.free0, "producer did not free on lapse"
+    assert "Done" in dropped, "the READ's end was never confirmed while C was stalled"
+    stalled[0] = False
     # C resumes: the READ completed long ago, but the confirmation is refused
     pair.run(lambda: pair.C.status("c1") != RequestStatus.WAITING_FOR_REMOTE_KVS)
     assert any(o.invalid_block_ids for o in pair.C.kv_outputs), "bytes accepted after the lease lapsed"

@@ -1,7 +1,7 @@
 """Consumer half of the worker: loads remote KV into the blocks vLLM allocated.
 
 Per request one :class:`Recv`, in the states of :class:`RecvState` (changed only under
-the worker lock; the side-channel thread reads them to answer "written")::
+the worker lock: the read confirmer also moves READ -> CONFIRM -> done)::
 
     READ:  CONNECT --hand-shake ok--> READ: one batched READ (all layers) --DONE--> CONFIRM
              "done with key?" --ok--> done_recving          (read, then confirm, under lease)
@@ -57,16 +57,18 @@ class Consumer:
         self.done_recving: set[str] = set()
         #: loads that ended, until ``report`` records their outcome and phases
         self.reporting: dict[str, Recv] = {}
-        #: set by the side-channel thread when a producer's "written" arrives
-        self.written_event = threading.Event()
+        #: set when a load settles or a producer's "written" arrives (the step's end waits on it)
+        self.settle_event = threading.Event()
+        #: set when reads are posted: wakes the read confirmer
+        self.posted = threading.Event()
         self.failed_recving: set[str] = set()
         self.load_errors: set[int] = set()
         self._last_renew = 0.0
+        self._handed: list[Msg] = []
 
     def _set(self, r: Recv, state: RecvState) -> None:
         with self.ctx.lock:
             r.state = state
-
     # ------------------------------------------------------------------ engine thread
     def add(self, jobs: list[RecvJob], now: float) -> None:
         """New loads from the scheduler's metadata. Caller holds the lock."""
@@ -120,21 +122,25 @@ class Consumer:
 
     def _reads_in_flight_on(self, peer: Any) -> bool:
         """Whether reads posted on ``peer`` (a connection to be re-made) are still pending.
-
-        Why: re-making a connection disconnects the old one, which fails every read still on
-        it. One failed read (its deadline, a refused post) says nothing of its siblings;
-        failing them too would turn one failed load into many. New loads from that producer
-        wait until no read on it is pending: one transfer deadline at most, since the core
-        fails a pending read at its deadline. A read already failed but not yet quiesced does
-        not count: its load keeps its blocks until then whatever happens to the connection."""
+        Why: re-making a connection fails every read still on it, turning one failed load
+        into many. New loads from that producer wait until none is pending (one transfer
+        deadline at most); a failed read keeps its blocks until quiesced whatever happens."""
         with self.ctx.lock:
             return any(r.state is RecvState.READ and pc.transfer is not None and pc.transfer.peer is peer
                        and pc.transfer.last_status.state is kvt.State.PENDING
                        for r in self.recv.values() for pc in r.pieces)
 
     def poll_replies(self) -> list[Msg]:
-        """Take the hand-shake replies; return every other reply from producers."""
-        return self.producers.poll()
+        """Take the hand-shake replies; return every other reply from producers (and those
+        the read confirmer handed over: :meth:`hand_over`)."""
+        with self.ctx.lock:
+            handed, self._handed = self._handed, []
+        return handed + self.producers.poll()
+
+    def hand_over(self, msg: Msg) -> None:
+        """A reply another thread read but leaves to the engine thread (it may send)."""
+        with self.ctx.lock:
+            self._handed.append(msg)
 
     def on_reply(self, msg: Msg) -> None:
         """A producer rank's per-key answer to our Done / WriteReq / Cancel (matched to the
@@ -202,9 +208,10 @@ class Consumer:
         with self.ctx.lock:
             recvs = list(self.recv.values())
         for r in recvs:
-            step = _STEPS.get(r.state)
-            if step is not None:
-                step(self, r, now, r.aborted or r.peer_aborted or now >= r.deadline)
+            with self.ctx.lock:  # the read confirmer also moves loads out of READ and CONFIRM
+                step = _STEPS.get(r.state)
+                if step is not None:
+                    step(self, r, now, r.aborted or r.peer_aborted or now >= r.deadline)
 
     def _advance_connect(self, r: Recv, now: float, gave_up: bool) -> None:
         job = r.job
@@ -253,25 +260,43 @@ class Consumer:
         elif all(p.state == "ready" for p in conns):
             self._start(r, conns, now)
 
+    def read_ended(self, r: Recv) -> bool:
+        """READ -> CONFIRM once every read of ``r`` moved its bytes; True for the one call
+        that made the step (the engine thread or the :mod:`.read_confirmer`, whichever saw
+        the end first: under the lock). The caller then sends the confirmation."""
+        with self.ctx.lock:
+            posted = [pc.transfer for pc in r.pieces if pc.transfer is not None]
+            if (r.state is not RecvState.READ or r.aborted or r.post_failed
+                    or not all(t.status().state is kvt.State.DONE for t in posted)):
+                return False
+            r.clock.transferred = time.monotonic()
+            nbytes = sum(t.nbytes for t in posted)
+            self.ctx.stats["bytes"] += nbytes
+            record_transfer(self.ctx.stats, r.clock.transferred - r.clock.posted, nbytes, len(r.job.local_block_ids))
+            r.state = RecvState.CONFIRM
+            return True
+
+    def reads_in_flight(self) -> tuple[list[Recv], list[Any]]:
+        """READ-state loads and their reads still pending (for the read confirmer)."""
+        with self.ctx.lock:
+            reading = [r for r in self.recv.values() if r.state is RecvState.READ]
+        return reading, [pc.transfer for r in reading for pc in r.pieces
+                         if pc.transfer is not None and pc.transfer.last_status.state is kvt.State.PENDING]
+
     def _advance_read(self, r: Recv, now: float, gave_up: bool) -> None:
+        if self.read_ended(r):
+            self.send.confirm(r, now)
+            return
         posted = [pc for pc in r.pieces if pc.transfer is not None]
         sts = [pc.transfer.status() for pc in posted]
         if any(st.state is kvt.State.PENDING for st in sts):
             return  # the core fails it by its deadline (T2)
         if any(st.state is kvt.State.FAILED and not st.quiesced for st in sts):
             return  # a late byte may still land (T3): wait until it cannot
-        if all(st.state is kvt.State.DONE for st in sts) and not r.post_failed:
+        if all(st.state is kvt.State.DONE for st in sts) and not r.post_failed:  # aborted
             r.clock.transferred = time.monotonic()
-            nbytes = sum(pc.transfer.nbytes for pc in posted)
-            self.ctx.stats["bytes"] += nbytes
-            record_transfer(self.ctx.stats, r.clock.transferred - r.clock.posted, nbytes,
-                            len(r.job.local_block_ids))
-            if r.aborted:
-                self.send.release(r)
-                self._finish(r, ok=False)
-            else:
-                self._set(r, RecvState.CONFIRM)
-                self.send.confirm(r, now)
+            self.send.release(r)
+            self._finish(r, ok=False)
             return
         for pc, st in zip(posted, sts):  # FAILED and quiesced: no late byte can land any more
             if st.state is kvt.State.FAILED:
@@ -304,26 +329,16 @@ class Consumer:
     def _advance_cancel(self, r: Recv, now: float, gave_up: bool) -> None:
         if now - r.last_sent > 0.05:
             self.send.cancel(r, now)
-        if self._writers_gone(r):
-            # Every process that could write into our blocks has exited: a dead process
-            # cannot write ("the producer is known gone").
+        if r.writers_gone(self.ctx.agent.peer_alive):
+            # every process that could write into our blocks has exited ("known gone")
             r.fail(Cause.PEER_GONE, r.error + "; producer process is gone: no write can land any more")
             self._finish(r, ok=False)
         elif now >= r.silent_since + self.ctx.cfg.lease_s + self.ctx.cfg.transfer_timeout_s:
-            # Producer unreachable for longer than its lease plus a transfer deadline: it
-            # can no longer write into our blocks (it dropped the hold and any write it
-            # posted has ended). Known gone. Counted from its last answer, not from our
-            # deadline: a producer still answering "pending" has a write in flight that may
-            # land in these blocks (its copy can outlast any deadline on a loaded host).
+            # Silent longer than its lease plus a transfer deadline: its hold is dropped and
+            # any write it posted has ended (known gone). Counted from its last answer: one
+            # still answering "pending" has a write in flight (a copy can outlast deadlines).
             r.fail(Cause.PEER_GONE, r.error + "; producer unreachable, considered gone")
             self._finish(r, ok=False)
-
-    def _writers_gone(self, r: Recv) -> bool:
-        """Every producer rank still unacknowledged that may write to us has exited."""
-        open_ = [w for pc in r.pieces if pc.answer != "acked" for w in pc.writers]
-        if not open_ or any(w is None for w in open_):
-            return False
-        return all(self.ctx.agent.peer_alive(w) is False for w in open_)
 
     def _start(self, r: Recv, conns: list[PeerConn], now: float) -> None:
         job = r.job
@@ -356,21 +371,20 @@ class Consumer:
                 break
             self.ctx.stats["transfers"] += 1
         self._set(r, RecvState.READ)
+        self.posted.set()
         # A small READ often completes during the post (loopback, shared memory): confirm it
         # in this same step instead of one engine step later.
         self.ctx.agent.progress()
         self._advance_read(r, time.monotonic(), False)
 
     def _reset_peer(self, host: str, port: int) -> None:
-        """After a failed transfer, hand-shake again before the next one (the producer may
-        have restarted at the same address with new memory)."""
+        """After a failed transfer, hand-shake again (the producer may have restarted with new memory)."""
         p = self.peers.get((host, port))
         if p is not None and p.state == "ready":
             p.state = "draining"  # hand-shake again once no read on it is pending (``peer``)
 
     def _start_giving_up(self, r: Recv) -> None:
-        """Stop waiting for ``r``. READ: tell the producer ranks to free. WRITE: they may
-        still write into our blocks, so cancel and keep them until each acks."""
+        """Stop waiting for ``r``. READ: the producer ranks free. WRITE: cancel, keep the blocks until each acks."""
         if r.job.mode == "write" and r.write_requested:
             self._set(r, RecvState.CANCEL)
             self.send.cancel(r, time.monotonic())
@@ -396,6 +410,7 @@ class Consumer:
             if self.recv_by_key.get(r.job.key) == r.job.req_id:  # not another load's key
                 self.recv_by_key.pop(r.job.key, None)
             self.done_recving.add(r.job.req_id)
+            self.settle_event.set()
             stats = self.ctx.stats
             latency = time.monotonic() - r.started
             if ok:
@@ -411,8 +426,7 @@ class Consumer:
                             r.job.req_id, r.job.key, r.error or "unknown")
 
     def awaiting_replies(self) -> tuple[list[Any], list[Recv]]:
-        """Loads that need nothing but the producer's word: the clients a READ confirmation
-        awaits an answer on, and the WRITE loads awaiting "written"."""
+        """Loads needing only the producer's word: the clients READ confirmations await, WRITEs awaiting "written"."""
         with self.ctx.lock:
             confirming = [r for r in self.recv.values() if r.state is RecvState.CONFIRM]
             writes = [r for r in self.recv.values()
@@ -430,8 +444,7 @@ class Consumer:
                 record_load(self.ctx.stats, r.clock, now, r.cause, step_ends)
 
     def renew(self, now: float) -> None:
-        """Renew the producer's lease on every key we still want (lifecycle: a slow but
-        live consumer never loses its KV); every producer rank of our pieces."""
+        """Renew every producer rank's lease on each key we still want (a slow live consumer keeps its KV)."""
         if now - self._last_renew < max(0.05, self.ctx.cfg.lease_s / 4):
             return
         self._last_renew = now
@@ -459,14 +472,12 @@ class Consumer:
         if msg.load and msg.load != r.token:
             return "unknown"  # the end of a write into an earlier load's blocks of this key
         pc.written = msg.ok
-        self.written_event.set()
+        self.settle_event.set()
         if msg.ok and r.clock is not None and r.written is True:
             r.clock.transferred = time.monotonic()
         if r.state is RecvState.WRITE_WAIT and not msg.ok:
             r.fail(Cause.TRANSPORT, f"producer write failed: {msg.reason}")
-        # in CANCEL: the write has ended, so nothing more can land; the producer acks
-        # our next Cancel
-        return "ok"
+        return "ok"  # in CANCEL: nothing more can land; the producer acks our next Cancel
 
     def answer_peer_aborted(self, key: str) -> bool:
         """The producer aborted the request behind ``key``; False if it is not ours."""

@@ -10,10 +10,13 @@ hand-shake and go on the plain client to that rank's port.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .context import WorkerContext
 from .messages import Cancel, Done, Release, WriteReq
 from .producer_peers import ProducerPeers
 from .recv import Recv
+from .side_channel import SideChannelClient
 from .tp_mapping import Piece, TPMappingError, consumer_pieces, producer_ranks_of
 
 __all__ = ["LoadMessages", "plan_ranks"]
@@ -50,14 +53,18 @@ class LoadMessages:
             self.ctx.client_to(r.job.host, port).send(Release(keys=[r.job.key], rank=self.ctx.tp_rank,
                                                                readers=readers))
 
-    def confirm(self, r: Recv, now: float) -> None:
-        """"Done with key?" to every producer rank of ``r`` not yet ``ok``."""
+    def confirm(self, r: Recv, now: float, client_to: Callable[[str, int], SideChannelClient] | None = None) -> None:
+        """"Done with key?" to every producer rank of ``r`` not yet ``ok``; on the hand-shaken
+        connections unless ``client_to`` gives another thread's clients (the read confirmer's)."""
         for pc in r.pieces:
             if pc.answer != "ok":
-                pc.sent(self.peers.get(r.job.host, pc.port).client.send(
-                    Done(keys=[r.job.key], instance=pc.instance, rank=self.ctx.tp_rank, readers=pc.readers,
-                         load=r.token)))
+                client = (client_to or self._handshaken)(r.job.host, pc.port)
+                pc.sent(client.send(Done(keys=[r.job.key], instance=pc.instance, rank=self.ctx.tp_rank,
+                                         readers=pc.readers, load=r.token)))
         r.last_sent = now
+
+    def _handshaken(self, host: str, port: int) -> SideChannelClient:
+        return self.peers.get(host, port).client
 
     def write_req(self, r: Recv, now: float) -> None:
         ours = self.ctx.layout.kv_heads if self.ctx.layout is not None else 0

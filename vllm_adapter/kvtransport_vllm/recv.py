@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import secrets
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,3 +124,8 @@ class Recv:
     @property
     def writers(self) -> list:
         return [w for pc in self.pieces for w in pc.writers]
+
+    def writers_gone(self, peer_alive: Callable[[Any], bool | None]) -> bool:
+        """WRITE: every producer process still unacknowledged that may write to us has exited."""
+        open_ = [w for pc in self.pieces if pc.answer != "acked" for w in pc.writers]
+        return bool(open_) and all(w is not None and peer_alive(w) is False for w in open_)

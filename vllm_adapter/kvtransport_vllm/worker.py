@@ -45,6 +45,7 @@ from .kv_layout import KVLayoutError, check_uniform, describe_kv_caches
 from .layerwise import LayerwiseWriter
 from .messages import Aborted, KVTransportMetadata, LayoutInfo, PeerNotice, Release, Renew
 from .producer import Producer
+from .read_confirmer import ReadConfirmer
 from .side_channel import SideChannelServer, wait_for_any
 from .ssm_tp import StateGeometry
 from .staging import Fence, HostKV, HostStaging, KVDevice, make_kv_device, merge_group_ids
@@ -128,8 +129,10 @@ class KVTransportWorker:
         self._copying: list[tuple[Fence, set[str]]] = []
         #: layer-wise WRITE (layerwise_write): set when the KV caches are registered
         self.layerwise: LayerwiseWriter | None = None
-        #: WRITE-mode producer: tells "written" as soon as a write ends (written_notifier.py)
-        self._notifier: WrittenNotifier | None = None
+        #: threads that act the moment a transfer ends: a WRITE-mode producer's "written"
+        #: (written_notifier.py), a READ-mode consumer's confirmation (read_confirmer.py)
+        self._helpers: list[WrittenNotifier | ReadConfirmer] = []
+        self._confirmer: ReadConfirmer | None = None
         #: when the latest get_finished calls handed their loads to vLLM: a load's "step"
         #: phase ends at the first of them after it settled (load_stats.LoadClock.phases)
         self._step_ends: deque[float] = deque(maxlen=64)
@@ -207,7 +210,10 @@ class KVTransportWorker:
         ctx.agent_md = ctx.agent.metadata()
         self._start_layerwise(list(kv_caches))
         if self.cfg.is_producer and self.cfg.mode == "write":
-            self._notifier = WrittenNotifier(self.producer, ctx.new_client, self.name)
+            self._helpers.append(WrittenNotifier(self.producer, ctx.new_client, self.name))
+        if self.cfg.is_consumer and self.cfg.mode == "read":
+            self._confirmer = ReadConfirmer(self.consumer, ctx.new_client, self.name)
+            self._helpers.append(self._confirmer)
         try:
             self.server = SideChannelServer(
                 self.cfg.side_channel_host,
@@ -218,7 +224,7 @@ class KVTransportWorker:
                 bind_host=self.cfg.side_channel_bind_host,
             )
         except Exception:
-            self._close_notifier()
+            self._close_helpers()
             ctx.agent.close()
             ctx.agent = None
             raise
@@ -278,17 +284,17 @@ class KVTransportWorker:
             c.close()
         self.consumer.peers.clear()
         self.ctx.reply_clients.clear()
-        self._close_notifier()  # before the agent: it polls the agent's transfers
+        self._close_helpers()  # before the agent: it polls the agent's transfers
         if self.ctx.agent is not None:
             self.ctx.agent.close()
             self.ctx.agent = None
         self._copying.clear()
         self.kv_device.close()  # after the agent: the transport no longer uses the mirror
 
-    def _close_notifier(self) -> None:
-        if self._notifier is not None:
-            self._notifier.close()
-            self._notifier = None
+    def _close_helpers(self) -> None:
+        for helper in self._helpers:
+            helper.close()
+        self._helpers, self._confirmer = [], None
 
     # ------------------------------------------------------------------ per step
     def on_metadata(self, meta: KVTransportMetadata | None) -> None:
@@ -383,25 +389,23 @@ class KVTransportWorker:
 
     def _await_replies(self, budget_s: float, writes_too: bool) -> None:
         """Give loads that only wait for the producer's word up to ``budget_s`` to get it
-        before this step ends: on a local network it takes well under a millisecond, and
-        otherwise the load would be reported one engine step later (a whole forward at
-        concurrency). A READ's confirmation is awaited in every step: it was just sent, for
-        a transfer that has ended. A WRITE's "written" (``writes_too``) only in steps without
-        a forward (the connector sets ``may_wait_for_replies``): it comes when the producer's
-        write ends, which may be many steps away. Bounded: a silent peer costs a step at most
-        ``budget_s``. Measured (docs/bench/E2E_LATENCY.md, kv-70b, concurrency 8): the
-        connector's own time per READ load 38 ms -> 8 ms, its report phase 26 -> 0.1 ms."""
+        before this step ends (else they are reported a step, a whole forward, later). A READ's
+        confirmation is awaited in every step: it was just sent, for a transfer that has ended.
+        A WRITE's "written" (``writes_too``) only in steps without a forward (the connector
+        sets ``may_wait_for_replies``): it may be many steps away. Bounded: a silent peer costs
+        a step at most ``budget_s``. Measured (docs/bench/E2E_LATENCY.md, kv-70b, concurrency
+        8): the connector's own time per READ load 38 ms -> 8 ms, its report phase 26 -> 0.1 ms."""
         give_up = time.monotonic() + budget_s
         while (left := give_up - time.monotonic()) > 0:
+            self.consumer.settle_event.clear()  # before looking: what settles after it sets it
             clients, writes = self.consumer.awaiting_replies()
             writes = writes if writes_too else []
             if not clients and not writes:
                 return
-            event = self.consumer.written_event if writes else None
-            if event is not None:
-                event.clear()
-                if any(r.written is not None for r in writes):  # arrived before the clear
-                    event.set()
+            # the read confirmer's answers settle loads on its thread: they set the event
+            event = self.consumer.settle_event if writes or self._confirmer is not None else None
+            if any(r.written is not None for r in writes):
+                self.consumer.settle_event.set()
             if not wait_for_any(clients, event, left):
                 return
             self.progress()

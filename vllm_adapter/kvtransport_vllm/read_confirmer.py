@@ -1,0 +1,108 @@
+"""Confirms a READ with the producer the moment its bytes land, not at the decode's next step.
+
+Why: a READ load ends with "done with key?" to the producer ("ok" only while its lease
+held: the stale-read guard). The engine thread advances loads only between forwards, and
+it waits at most 2 ms for the answer before the step ends. Under load a read ends during
+a forward, and the answer takes longer on a busy host, so a confirmation cost one or two
+whole forwards (measured at concurrency 8 on KV of Llama-3-70B's size,
+docs/bench/E2E_LATENCY.md: 1.5 to 5 ms of a load's 4 to 6.5 ms of connector time).
+
+This thread waits on the agent's progress signals for any posted read to end, makes the
+load's READ -> CONFIRM step (:meth:`Consumer.read_ended`, made once by whichever thread
+sees the end first, under the worker lock), sends the confirmation and applies the
+answer (:meth:`Consumer.on_reply`), so a load settles during the forward and is reported
+at the end of the step it settled in. Nothing of the load protocol changes: the same
+transitions under the same lock, the same message; the engine thread still resends an
+unanswered confirmation every 50 ms on its own connection and handles every failure.
+The thread owns its side-channel clients (a DEALER socket serves one thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import kvtransport as kvt
+
+from .messages import Reply
+from .side_channel import wait_for_any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from .consumer import Consumer
+    from .side_channel import SideChannelClient
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ReadConfirmer"]
+
+#: longest sleep while reads or answers are awaited: bounds how late the end of a read
+#: posted while the thread waited on others is seen (a progress signal usually wakes it)
+_IN_FLIGHT_NAP_S = 0.002
+#: longest sleep with nothing in flight (a new post wakes the thread at once)
+_IDLE_NAP_S = 0.05
+#: how long answers to our confirmations are awaited before the engine thread's resend
+#: (every 50 ms, on its own connection) takes over
+_ANSWER_WAIT_S = 0.05
+
+
+class ReadConfirmer:
+    """One thread per READ-mode consumer worker; started on construction, ended by :meth:`close`."""
+
+    def __init__(self, consumer: Consumer, new_client: Callable[[str, int], SideChannelClient], name: str) -> None:
+        self._consumer = consumer
+        self._new_client = new_client
+        self._clients: dict[tuple[str, int], SideChannelClient] = {}
+        self._stop = threading.Event()
+        self._answers_due = 0.0  # until when answers to our confirmations are awaited
+        self._thread = threading.Thread(target=self._run, name=f"kvt-confirm-{name}", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread (before the agent closes: it polls the agent's transfers)."""
+        self._stop.set()
+        self._consumer.posted.set()  # wake it
+        self._thread.join(timeout=5.0)
+        for c in self._clients.values():
+            c.close()
+        self._clients.clear()
+
+    def _client_to(self, host: str, port: int) -> SideChannelClient:
+        c = self._clients.get((host, port))
+        if c is None:
+            c = self._clients[(host, port)] = self._new_client(host, port)
+        return c
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._step()
+        except Exception:  # never take the engine down; the engine thread still confirms each step
+            log.exception("kvtransport: the read-confirmer thread stopped; reads are now confirmed at each step")
+
+    def _step(self) -> None:
+        consumer = self._consumer
+        consumer.posted.clear()  # before looking: a post after the look wakes the wait below
+        reading, pending = consumer.reads_in_flight()
+        for r in reading:
+            if consumer.read_ended(r):
+                consumer.send.confirm(r, time.monotonic(), self._client_to)
+                self._answers_due = time.monotonic() + _ANSWER_WAIT_S
+        for c in list(self._clients.values()):
+            for msg in c.poll():
+                # "ok" only settles a load; any other answer may need a send (a release, a
+                # new hand-shake) on the engine thread's sockets: handed over to it
+                if isinstance(msg, Reply) and all(v == "ok" for v in msg.status.values()):
+                    consumer.on_reply(msg)
+                else:
+                    consumer.hand_over(msg)
+        answers_due = time.monotonic() < self._answers_due
+        if pending:
+            kvt.wait_any(pending, _IN_FLIGHT_NAP_S)
+        elif answers_due:  # woken by an answer as it comes; a new post is seen within the nap
+            wait_for_any(list(self._clients.values()), None, _IN_FLIGHT_NAP_S)
+        else:
+            consumer.posted.wait(_IDLE_NAP_S)
