@@ -88,9 +88,10 @@ class ReadConfirmer:
         consumer.posted.clear()  # before looking: a post after the look wakes the wait below
         reading, pending = consumer.reads_in_flight()
         for r in reading:
-            if consumer.read_ended(r):
-                consumer.send.confirm(r, time.monotonic(), self._client_to)
-                self._answers_due = time.monotonic() + _ANSWER_WAIT_S
+            with consumer.ctx.lock:  # the step and its message at once: the engine thread's
+                if consumer.read_ended(r):  # resend times from this send (``last_sent``)
+                    consumer.send.confirm(r, time.monotonic(), self._client_to)
+                    self._answers_due = time.monotonic() + _ANSWER_WAIT_S
         for c in list(self._clients.values()):
             for msg in c.poll():
                 # "ok" only settles a load; any other answer may need a send (a release, a
