@@ -389,7 +389,11 @@ class LifecycleMachine(RuleBasedStateMachine):
                 self.nobody_stranded()
                 time.sleep(0.002)
             _SC.flush(float("inf"))
-            assert not self.C.scheduler.requests and not self.P.scheduler.requests, "requests left over"
+            left = {f"{side}:{rid}": (q.status.name, self.cw.consumer.recv[rid].state.name
+                                      if side == "C" and rid in self.cw.consumer.recv else None,
+                                      rid in self.reported, rid in self.forwarded)
+                    for side, e in (("C", self.C), ("P", self.P)) for rid, q in e.scheduler.requests.items()}
+            assert not left, f"requests left over (status, load state, reported, forwarded): {left}"
             assert not self.pw.producer.holds and not self.cw.consumer.recv, "connector state left over"
             self.pair.assert_no_leak()  # I6 (R4)
             for w in (self.pw, self.cw):

@@ -168,6 +168,30 @@ def test_producer_that_answers_hello_is_a_writer_its_predecessors_exit_does_not_
     assert "r" in c.done_recving  # the writer's own word ends it
 
 
+def test_write_request_is_not_resent_past_the_producer_that_exited(clock):
+    """P1 received our write request and exited; another load has begun a new hand-shake at
+    its address, so the connection is no longer ready. A resend could reach only a process we
+    cannot watch (a restart, or nobody): none leaves, and at the deadline P1's exit ends the
+    load at once, instead of after lease + timeout (an end-to-end kill test caught a request
+    kept 15 s past the lease by such a resend)."""
+    alive = {"P1": True}
+    now = clock[0]
+    c, r = _started_write_load(alive, "P1", now)
+    assert r.state is RecvState.WRITE_WAIT and r.pieces[0].writers == ["P1"]
+    alive["P1"] = False
+    peer = c.producers.peers[("h", 100)]
+    peer.state, peer.last_hello = "hello", time.monotonic()  # what a new load's CONNECT step does
+    sent = len(peer.client.sent)
+    clock[0] = now + 0.6  # past the 0.5 s resend interval, before the 1 s deadline
+    c.advance(clock[0])
+    assert not [m for m in peer.client.sent[sent:] if isinstance(m, WriteReq)], "write request re-sent"
+    assert r.pieces[0].writers == ["P1"]
+    clock[0] = now + 1.1  # past the deadline: cancelling, and the only writer has exited
+    c.advance(clock[0])
+    c.advance(clock[0])
+    assert "r" in c.done_recving, r.state
+
+
 def test_late_pending_replies_keep_a_cancelling_load_from_considering_its_producer_gone(clock):
     """The producer answers every Cancel "pending" (its write is in flight), each answer 60 ms
     after the Cancel it answers while the consumer resends every 50 ms: every answer names a

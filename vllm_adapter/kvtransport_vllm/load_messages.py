@@ -79,6 +79,12 @@ class LoadMessages:
                 # address now (a producer restarted under the same engine id) is unknown:
                 # its exit says nothing about the process that receives this request
                 writer = None
+            if writer is None and pc.writers:
+                # A resend could reach only a process other than the one asked (its restart,
+                # or nobody): not sent, so no process we cannot watch gets our blocks (else
+                # the load would wait out lease + deadline before reusing them). A new
+                # hand-shake makes the connection ready again; the next resend goes then.
+                continue
             if not any(w is writer for w in pc.writers):
                 pc.writers.append(writer)
             piece = pc.piece
