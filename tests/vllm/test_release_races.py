@@ -192,6 +192,46 @@ def test_write_request_is_not_resent_past_the_producer_that_exited(clock):
     assert "r" in c.done_recving, r.state
 
 
+def test_cancel_acked_only_in_answer_to_superseded_cancels_ends_the_load(clock):
+    """Every answer comes 60 ms after the Cancel it answers while the consumer resends every
+    50 ms (a slow network or a busy producer), so each names a superseded cid. The producer's
+    "acked" still ends the load: acting on the latest cid's verdict only, the load would wait
+    forever, since the answers keep showing the producer reachable (the lifecycle state
+    machine found requests stranded so)."""
+    t0 = clock[0]
+    c, r = _started_write_load({"P": True}, "P", t0)
+    c.mark_aborted({"r"})
+    c.advance(t0 + 0.01)
+    assert r.state is RecvState.CANCEL
+    old = r.pieces[0].cid
+    clock[0] = t0 + 0.07
+    c.advance(clock[0])  # resent: ``old`` is superseded
+    assert r.pieces[0].cid != old
+    c.on_reply(Reply(cid=old, status={"K": "acked"}))
+    assert "r" in c.done_recving, r.state
+
+
+def test_read_confirmed_only_in_answer_to_superseded_confirmations_is_loaded(clock):
+    """READ: the producer's "ok" to a confirmation comes after the consumer has re-sent it (an
+    answer slower than 50 ms). It settles the load: acting on the latest cid's verdict only,
+    every READ would fail at its deadline whenever answers are that slow."""
+    t0 = clock[0]
+    c = _consumer({"P": True})
+    c.producers.peers[("h", 100)] = PeerConn("h", 100, _Client(), state="ready", kvt_peer="P", engine_name="P-tp0")
+    with c.ctx.lock:
+        c.add([RecvJob(req_id="r", key="K", mode="read", local_block_ids=[5, 6], remote_block_ids=[1, 2],
+                       host="h", port=100, remote_engine_id="P")], t0)
+    r = c.recv["r"]
+    r.state = RecvState.CONFIRM  # the read has ended: what ``read_ended`` makes of it
+    c.send.confirm(r, t0)
+    old = r.pieces[0].cid
+    clock[0] = t0 + 0.06
+    c.advance(clock[0])  # re-sent: ``old`` is superseded
+    assert r.pieces[0].cid != old
+    c.on_reply(Reply(cid=old, status={"K": "ok"}))
+    assert "r" in c.done_recving and r.cause.value == "ok", (r.state, r.cause)
+
+
 def test_late_pending_replies_keep_a_cancelling_load_from_considering_its_producer_gone(clock):
     """The producer answers every Cancel "pending" (its write is in flight), each answer 60 ms
     after the Cancel it answers while the consumer resends every 50 ms: every answer names a

@@ -157,8 +157,9 @@ class Consumer:
                 if pc is None:
                     continue  # not about any recent message of this load: dropped (R3)
                 pc.heard = time.monotonic()  # it answered, so it is reachable
-                if msg.cid == pc.cid:  # a late reply's verdict is dropped (R3)
-                    self._on_status(r, pc, status)
+                # any recent message's verdict counts, or answers slower than the 50 ms resends
+                # never would: each is the producer's word and only ends a load or makes it warier
+                self._on_status(r, pc, status)
 
     def _on_status(self, r: Recv, pc: PieceLoad, status: str) -> None:
         if r.state is RecvState.CONFIRM:
