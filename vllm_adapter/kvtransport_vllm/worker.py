@@ -402,11 +402,12 @@ class KVTransportWorker:
             writes = writes if writes_too else []
             if not clients and not writes:
                 return
-            # the read confirmer's answers settle loads on its thread: they set the event
+            # the read confirmer settles loads and sets the event; answers to our own resends
+            # wait for the next step (sockets and an event together are polled: CPU)
             event = self.consumer.settle_event if writes or self._confirmer is not None else None
             if any(r.written is not None for r in writes):
                 self.consumer.settle_event.set()
-            if not wait_for_any(clients, event, left):
+            if not wait_for_any([] if self._confirmer is not None else clients, event, left):
                 return
             self.progress()
 
