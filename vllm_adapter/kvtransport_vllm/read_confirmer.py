@@ -19,8 +19,6 @@ The thread owns its side-channel clients (a DEALER socket serves one thread).
 
 from __future__ import annotations
 
-import logging
-import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -28,14 +26,13 @@ import kvtransport as kvt
 
 from .messages import Reply
 from .side_channel import wait_for_any
+from .transfer_watcher import TransferWatcher
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from .consumer import Consumer
     from .side_channel import SideChannelClient
-
-log = logging.getLogger(__name__)
 
 __all__ = ["ReadConfirmer"]
 
@@ -49,39 +46,14 @@ _IDLE_NAP_S = 0.05
 _ANSWER_WAIT_S = 0.05
 
 
-class ReadConfirmer:
+class ReadConfirmer(TransferWatcher):
     """One thread per READ-mode consumer worker; started on construction, ended by :meth:`close`."""
 
     def __init__(self, consumer: Consumer, new_client: Callable[[str, int], SideChannelClient], name: str) -> None:
+        super().__init__(consumer.posted, new_client, f"kvt-confirm-{name}", "reads are now confirmed at each step")
         self._consumer = consumer
-        self._new_client = new_client
-        self._clients: dict[tuple[str, int], SideChannelClient] = {}
-        self._stop = threading.Event()
         self._answers_due = 0.0  # until when answers to our confirmations are awaited
-        self._thread = threading.Thread(target=self._run, name=f"kvt-confirm-{name}", daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        """Stop the thread (before the agent closes: it polls the agent's transfers)."""
-        self._stop.set()
-        self._consumer.posted.set()  # wake it
-        self._thread.join(timeout=5.0)
-        for c in self._clients.values():
-            c.close()
-        self._clients.clear()
-
-    def _client_to(self, host: str, port: int) -> SideChannelClient:
-        c = self._clients.get((host, port))
-        if c is None:
-            c = self._clients[(host, port)] = self._new_client(host, port)
-        return c
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._step()
-        except Exception:  # never take the engine down; the engine thread still confirms each step
-            log.exception("kvtransport: the read-confirmer thread stopped; reads are now confirmed at each step")
+        self._start()
 
     def _step(self) -> None:
         consumer = self._consumer

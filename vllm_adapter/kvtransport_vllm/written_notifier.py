@@ -17,20 +17,18 @@ does with its own.
 
 from __future__ import annotations
 
-import logging
-import threading
 import time
 from typing import TYPE_CHECKING
 
 import kvtransport as kvt
+
+from .transfer_watcher import TransferWatcher
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from .producer import Producer
     from .side_channel import SideChannelClient
-
-log = logging.getLogger(__name__)
 
 __all__ = ["WrittenNotifier"]
 
@@ -47,39 +45,15 @@ _ACK_WAIT_S = 0.05
 _ACK_NAP_S = 0.005
 
 
-class WrittenNotifier:
+class WrittenNotifier(TransferWatcher):
     """One thread per WRITE-mode producer worker; started on construction, ended by :meth:`close`."""
 
     def __init__(self, producer: Producer, new_client: Callable[[str, int], SideChannelClient], name: str) -> None:
+        super().__init__(producer.posted, new_client, f"kvt-written-{name}",
+                         '"written" is now sent at each step')
         self._producer = producer
-        self._new_client = new_client
-        self._clients: dict[tuple[str, int], SideChannelClient] = {}
-        self._stop = threading.Event()
         self._acks_due = 0.0  # until when acks to our "written" are awaited
-        self._thread = threading.Thread(target=self._run, name=f"kvt-written-{name}", daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        """Stop the thread (before the agent closes: it polls the agent's transfers)."""
-        self._stop.set()
-        self._producer.posted.set()  # wake it
-        self._thread.join(timeout=5.0)
-        for c in self._clients.values():
-            c.close()
-        self._clients.clear()
-
-    def _client_to(self, host: str, port: int) -> SideChannelClient:
-        c = self._clients.get((host, port))
-        if c is None:
-            c = self._clients[(host, port)] = self._new_client(host, port)
-        return c
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._step()
-        except Exception:  # never take the engine down; the engine thread still tells "written" each step
-            log.exception("kvtransport: the written-notifier thread stopped; \"written\" is now sent at each step")
+        self._start()
 
     def _step(self) -> None:
         producer = self._producer
