@@ -19,6 +19,8 @@ from types import SimpleNamespace
 
 import pytest
 
+import kvtransport as kvt
+
 import kvtransport_vllm.consumer as consumer_module
 from kvtransport_vllm.consumer import Consumer, RecvState
 from kvtransport_vllm.load_stats import new_stats
@@ -230,6 +232,44 @@ def test_read_confirmed_only_in_answer_to_superseded_confirmations_is_loaded(clo
     assert r.pieces[0].cid != old
     c.on_reply(Reply(cid=old, status={"K": "ok"}))
     assert "r" in c.done_recving and r.cause.value == "ok", (r.state, r.cause)
+
+
+class _ReadEndingBetweenLooks:
+    """A READ whose first status look finds it pending and every later one done: it ends
+    while the engine thread looks at it (a backend moving bytes on its own thread)."""
+
+    nbytes = 64
+
+    def __init__(self) -> None:
+        self.looks = 0
+
+    def status(self):
+        self.looks += 1
+        return kvt.TransferStatus(kvt.State.PENDING if self.looks == 1 else kvt.State.DONE)
+
+    @property
+    def last_status(self):
+        return kvt.TransferStatus(kvt.State.PENDING if self.looks < 2 else kvt.State.DONE)
+
+
+def test_read_ending_while_the_engine_thread_looks_is_confirmed_not_failed(clock):
+    """The engine thread's first look finds the READ pending, its second done. The load goes
+    on to its confirmation: taking "done now" for "aborted" failed it with no reason (a UCX
+    pair in the end-to-end tests, whose bytes move on the backend's own thread)."""
+    t0 = clock[0]
+    c = _consumer({"P": True})
+    peer = PeerConn("h", 100, _Client(), state="ready", kvt_peer="P", engine_name="P-tp0")
+    c.producers.peers[("h", 100)] = peer
+    with c.ctx.lock:
+        c.add([RecvJob(req_id="r", key="K", mode="read", local_block_ids=[5, 6], remote_block_ids=[1, 2],
+                       host="h", port=100, remote_engine_id="P")], t0)
+    r = c.recv["r"]
+    r.pieces[0].transfer = _ReadEndingBetweenLooks()
+    r.state = RecvState.READ  # posted: what ``_start`` makes of it
+    c.advance(t0)
+    assert "r" not in c.done_recving, f"load ended: {r.cause} {r.error!r}"
+    assert r.state is RecvState.CONFIRM, r.state
+    assert any(type(m).__name__ == "Done" for m in peer.client.sent), "no confirmation sent"
 
 
 def test_late_pending_replies_keep_a_cancelling_load_from_considering_its_producer_gone(clock):

@@ -131,8 +131,7 @@ class Consumer:
                        for r in self.recv.values() for pc in r.pieces)
 
     def poll_replies(self) -> list[Msg]:
-        """Take the hand-shake replies; return every other reply from producers (and those
-        the read confirmer handed over: :meth:`hand_over`)."""
+        """Take the hand-shake replies; return every other reply (and those :meth:`hand_over` kept)."""
         with self.ctx.lock:
             handed, self._handed = self._handed, []
         return handed + self.producers.poll()
@@ -262,9 +261,8 @@ class Consumer:
             self._start(r, conns, now)
 
     def read_ended(self, r: Recv) -> bool:
-        """READ -> CONFIRM once every read of ``r`` moved its bytes; True for the one call
-        that made the step (the engine thread or the :mod:`.read_confirmer`, whichever saw
-        the end first: under the lock). The caller then sends the confirmation."""
+        """READ -> CONFIRM once every read of ``r`` moved its bytes; True for the one call that made
+        the step (engine thread or :mod:`.read_confirmer`, under the lock). The caller confirms."""
         with self.ctx.lock:
             posted = [pc.transfer for pc in r.pieces if pc.transfer is not None]
             if (r.state is not RecvState.READ or r.aborted or r.post_failed
@@ -294,10 +292,12 @@ class Consumer:
             return  # the core fails it by its deadline (T2)
         if any(st.state is kvt.State.FAILED and not st.quiesced for st in sts):
             return  # a late byte may still land (T3): wait until it cannot
-        if all(st.state is kvt.State.DONE for st in sts) and not r.post_failed:  # aborted
-            r.clock.transferred = time.monotonic()
-            self.send.release(r)
-            self._finish(r, ok=False)
+        if all(st.state is kvt.State.DONE for st in sts) and not r.post_failed:
+            if r.aborted:
+                self.send.release(r)
+                self._finish(r, ok=False)
+            elif self.read_ended(r):  # the last read ended between the two looks
+                self.send.confirm(r, now)
             return
         for pc, st in zip(posted, sts):  # FAILED and quiesced: no late byte can land any more
             if st.state is kvt.State.FAILED:
