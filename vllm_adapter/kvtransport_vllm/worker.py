@@ -49,6 +49,7 @@ from .read_confirmer import ReadConfirmer
 from .side_channel import SideChannelServer, wait_for_any
 from .ssm_tp import StateGeometry
 from .staging import Fence, HostKV, HostStaging, KVDevice, make_kv_device, merge_group_ids
+from .transfer_watcher import TransferWatcher
 from .tp_mapping import TPMappingError
 from .written_notifier import WrittenNotifier
 
@@ -129,9 +130,8 @@ class KVTransportWorker:
         self._copying: list[tuple[Fence, set[str]]] = []
         #: layer-wise WRITE (layerwise_write): set when the KV caches are registered
         self.layerwise: LayerwiseWriter | None = None
-        #: threads that act the moment a transfer ends: a WRITE-mode producer's "written"
-        #: (written_notifier.py), a READ-mode consumer's confirmation (read_confirmer.py)
-        self._helpers: list[WrittenNotifier | ReadConfirmer] = []
+        #: threads acting when a transfer ends (written_notifier.py, read_confirmer.py)
+        self._helpers: list[TransferWatcher] = []
         self._confirmer: ReadConfirmer | None = None
         #: when the latest get_finished calls handed their loads to vLLM: a load's "step"
         #: phase ends at the first of them after it settled (load_stats.LoadClock.phases)
