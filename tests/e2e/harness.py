@@ -11,6 +11,7 @@ Each server is started in a new session, so its process-group id is its pid and
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,16 @@ import httpx
 from kvtransport.testing.ports import free_port_range
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def disagg_proxy_module() -> types.ModuleType:
+    """examples/disagg_proxy.py as a module (its request-building helpers), loaded once."""
+    if "disagg_proxy" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("disagg_proxy", REPO / "examples" / "disagg_proxy.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["disagg_proxy"] = module  # dataclasses look their module up here
+        spec.loader.exec_module(module)
+    return sys.modules["disagg_proxy"]
 PYTHON = sys.executable
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 1024

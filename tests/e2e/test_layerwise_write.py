@@ -1,13 +1,19 @@
-r"""Layer-wise WRITE end to end: two real vLLM CPU engines behind ``disagg_proxy.py --flow
-router`` (both hops at once), the prefill engine with ``layerwise_write``.
+r"""Layer-wise WRITE end to end: two real vLLM CPU engines, the prefill engine with
+``layerwise_write``.
 
 vLLM's ``maybe_transfer_kv_layer`` wraps the attention op on CPU too, so the connector's
 ``save_kv_layer`` runs after each layer's real attention; the prefill engine posts each
-layer's completed blocks from there when the decode's block ids arrived first. What is
-asserted: greedy tokens equal the single engine's, the decode engine took the prompt KV
-from the prefill engine, and the prefill engine's log shows layer posts (so the hooks ran
-and the layer-wise path, not only the whole-request one, moved KV). Both engines end with
-no KV block in use.
+layer's completed blocks from there when the decode's block ids arrived first.
+
+* Behind ``disagg_proxy.py --flow router`` (both hops at once): greedy tokens equal the
+  single engine's and the decode engine took the prompt KV from the prefill engine.
+  Which hop reaches its engine first is a race there, so layer posts are only counted.
+* The same two hops with the decode hop first, the prefill hop sent once the prefill
+  engine has logged that it kept the decode's destination: the order layer-wise WRITE
+  is for, made certain. Tokens equal, and the prefill engine's log shows layer posts (the
+  hooks ran and the layer-wise path, not only the whole-request one, moved KV).
+
+Both engines end with no KV block in use.
 
 Run: ``KVT_E2E_BACKENDS=loopback python -m pytest tests/e2e/test_layerwise_write.py -q``.
 """
@@ -17,6 +23,8 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import pytest
 
@@ -30,6 +38,18 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 EXTERNAL = {"source": "external_kv_transfer"}
 LAYER_LINE = "layer-wise WRITE "
+KEPT_LINE = "came before its prefill: destination kept"
+
+disagg_proxy = harness.disagg_proxy_module()
+
+
+@dataclass
+class Pair:
+    prefill: harness.VllmServer
+    decode: harness.VllmServer
+    proxy: harness.VllmServer
+    prefill_side_channel: tuple[str, int]
+    decode_side_channel: tuple[str, int]
 
 
 def _logging_config(path) -> str:
@@ -69,33 +89,87 @@ def layerwise_pair(tiny_model, log_dir, baseline, tmp_path_factory):
     try:
         took = harness.start_all(procs)
         print(f"\n[e2e] {tag}: healthy after " + ", ".join(f"{k} {v:.1f}s" for k, v in took.items()))
-        yield prefill, decode, proxy
+        yield Pair(prefill, decode, proxy, ("127.0.0.1", pre_port), ("127.0.0.1", dec_port))
     finally:
         for s in procs:
             s.stop()
             _LIVE.remove(s)
 
 
-def test_layerwise_router_flow_matches_single_engine(layerwise_pair, baseline, vocab_size):
-    prefill, decode, proxy = layerwise_pair
-    client = prompts.client(proxy.url)
-    ps = [p for seed in BASELINE_SEEDS[:2] for p in prompts.router_prompts(vocab_size, seed)]
-    mismatches, not_remote = [], []
-    for p in ps:
-        ext0 = decode.metric("vllm:prompt_tokens_by_source_total", **EXTERNAL)
-        got = prompts.complete(client, p)
-        remote = decode.metric("vllm:prompt_tokens_by_source_total", **EXTERNAL) - ext0
-        if got != baseline[tuple(p)]:
-            mismatches.append((len(p), got, baseline[tuple(p)]))
-        if len(p) >= BLOCK_SIZE and remote <= 0:
-            not_remote.append(len(p))
-    layer_posts = prefill.log_path.read_text(errors="replace").count(LAYER_LINE)
-    print(f"\n[e2e] layer-wise router flow: {len(ps)} prompts, {layer_posts} layer posts on the prefill engine")
-    assert not mismatches, f"layer-wise WRITE output differs from the single engine: {mismatches}"
-    assert not not_remote, f"decode engine recomputed instead of loading (prompt lengths): {not_remote}"
-    assert layer_posts > 0, "no layer was posted from save_kv_layer: only whole-request writes moved KV"
-    for s in (prefill, decode):  # every block handed back (holds ended, loads reported)
+def _no_block_in_use(*servers: harness.VllmServer) -> None:
+    for s in servers:  # every block handed back (holds ended, loads reported)
         deadline = time.monotonic() + 60
         while s.metric("vllm:kv_cache_usage_perc") != 0 and time.monotonic() < deadline:
             time.sleep(0.5)
         assert s.metric("vllm:kv_cache_usage_perc") == 0, f"{s.name} still uses KV blocks"
+
+
+def _layer_posts(s: harness.VllmServer) -> int:
+    return s.log_path.read_text(errors="replace").count(LAYER_LINE)
+
+
+def test_layerwise_router_flow_matches_single_engine(layerwise_pair, baseline, vocab_size):
+    pair = layerwise_pair
+    client = prompts.client(pair.proxy.url)
+    ps = [p for seed in BASELINE_SEEDS[:2] for p in prompts.router_prompts(vocab_size, seed)]
+    mismatches, not_remote = [], []
+    posts0 = _layer_posts(pair.prefill)
+    for p in ps:
+        ext0 = pair.decode.metric("vllm:prompt_tokens_by_source_total", **EXTERNAL)
+        got = prompts.complete(client, p)
+        remote = pair.decode.metric("vllm:prompt_tokens_by_source_total", **EXTERNAL) - ext0
+        if got != baseline[tuple(p)]:
+            mismatches.append((len(p), got, baseline[tuple(p)]))
+        if len(p) >= BLOCK_SIZE and remote <= 0:
+            not_remote.append(len(p))
+    print(f"\n[e2e] layer-wise router flow: {len(ps)} prompts, {_layer_posts(pair.prefill) - posts0} layer "
+          "posts on the prefill engine (the hops race: any number is right)")
+    assert not mismatches, f"layer-wise WRITE output differs from the single engine: {mismatches}"
+    assert not not_remote, f"decode engine recomputed instead of loading (prompt lengths): {not_remote}"
+    _no_block_in_use(pair.prefill, pair.decode)
+
+
+def _wait_for_kept_destination(prefill: harness.VllmServer, router_uuid: str, timeout_s: float = 60) -> None:
+    """Until the prefill engine logs that the decode's write request for this request came
+    first and its destination is kept (the side channel answered it "pending")."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(KEPT_LINE in ln and router_uuid in ln
+               for ln in prefill.log_path.read_text(errors="replace").splitlines()):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the prefill engine never logged the decode's write request for {router_uuid} "
+                         f"(log {prefill.log_path})")
+
+
+def test_layerwise_posts_when_decode_block_ids_come_first(layerwise_pair, baseline, vocab_size):
+    pair = layerwise_pair
+    pre_client, dec_client = prompts.client(pair.prefill.url), prompts.client(pair.decode.url)
+    # prompts this pair has not seen (its prefix caches cannot hide a load), each of whole blocks
+    ps = [p for p in prompts.router_concurrent_prompts(vocab_size, BASELINE_SEEDS[0]) if len(p) >= BLOCK_SIZE][:4]
+    assert ps, "no prompt of a whole block in the set"
+    posts0 = _layer_posts(pair.prefill)
+    mismatches, not_remote = [], []
+    with ThreadPoolExecutor(1) as pool:
+        for p in ps:
+            rid = disagg_proxy.router_request_id("layerwise", pair.prefill_side_channel, pair.decode_side_channel)
+            hdrs = {"X-Request-Id": rid}
+            ext0 = pair.decode.metric("vllm:prompt_tokens_by_source_total", **EXTERNAL)
+            decode_hop = pool.submit(
+                dec_client.completions.create, model="tiny", prompt=p, max_tokens=prompts.MAX_TOKENS,
+                temperature=0.0, extra_headers=hdrs,
+                extra_body=dict(prompts.GREEDY["extra_body"], kv_transfer_params=disagg_proxy.ROUTER_DECODE_KV_PARAMS))
+            _wait_for_kept_destination(pair.prefill, rid.rsplit("_", 1)[1])
+            pre_client.completions.create(model="tiny", prompt=p, max_tokens=1, temperature=0.0, extra_headers=hdrs,
+                                          extra_body={"kv_transfer_params": disagg_proxy.PREFILL_KV_PARAMS})
+            got = prompts.completion_ids(decode_hop.result(timeout=120))
+            if got != baseline[tuple(p)]:
+                mismatches.append((len(p), got, baseline[tuple(p)]))
+            if pair.decode.metric("vllm:prompt_tokens_by_source_total", **EXTERNAL) - ext0 <= 0:
+                not_remote.append(len(p))
+    posts = _layer_posts(pair.prefill) - posts0
+    print(f"\n[e2e] layer-wise, decode hop first: {len(ps)} prompts, {posts} layer posts on the prefill engine")
+    assert not mismatches, f"layer-wise WRITE output differs from the single engine: {mismatches}"
+    assert not not_remote, f"decode engine recomputed instead of loading (prompt lengths): {not_remote}"
+    assert posts > 0, "no layer was posted from save_kv_layer: only whole-request writes moved KV"
+    _no_block_in_use(pair.prefill, pair.decode)

@@ -9,20 +9,15 @@ exercised in test_disagg.py.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import sys
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from .harness import REPO, free_port
+from .harness import disagg_proxy_module, free_port
 
-_spec = importlib.util.spec_from_file_location("disagg_proxy", REPO / "examples" / "disagg_proxy.py")
-disagg_proxy = importlib.util.module_from_spec(_spec)
-sys.modules["disagg_proxy"] = disagg_proxy  # dataclasses look their module up here
-_spec.loader.exec_module(disagg_proxy)
+disagg_proxy = disagg_proxy_module()
 
 KV = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 5600,
       "remote_block_ids": [3, 4], "transfer_id": "t-1"}

@@ -152,7 +152,7 @@ def test_vllm_router_moriio_mode_write(tiny_model, vocab_size, log_dir, baseline
         _wait_registered(router, "Prefill", prefill, pre_sc)
         _wait_registered(router, "Decode", decode, dec_sc)
         took["engines registered"] = time.monotonic() - router.started_at
-        print(f"\n[e2e] healthy after " + ", ".join(f"{k} {v:.1f}s" for k, v in took.items()))
+        print("\n[e2e] healthy after " + ", ".join(f"{k} {v:.1f}s" for k, v in took.items()))
         _check_router_flow(router, prefill, decode, baseline, vocab_size)
     finally:
         for p in procs:

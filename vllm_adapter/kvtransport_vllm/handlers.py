@@ -17,6 +17,7 @@ call from this thread (it takes its own lock). The engine's memory is only ever 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -54,6 +55,8 @@ from .messages import (
 from .producer import Producer
 
 __all__ = ["SideChannelHandlers", "DoctorProbes"]
+
+log = logging.getLogger(__name__)
 
 
 class SideChannelHandlers:
@@ -117,7 +120,10 @@ class SideChannelHandlers:
 
     def on_write_req(self, msg: WriteReq, now: float) -> Reply:
         with self.ctx.lock:
-            return Reply(status={msg.key: self.producer.answer_write_req(msg, now)})
+            answer = self.producer.answer_write_req(msg, now)
+        if answer == "pending":  # the order layer-wise WRITE needs (a router dispatching both hops)
+            log.debug("write request for %s came before its prefill: destination kept", msg.key)
+        return Reply(status={msg.key: answer})
 
     def on_written(self, msg: Written, now: float) -> Reply:
         with self.ctx.lock:
