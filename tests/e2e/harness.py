@@ -237,8 +237,11 @@ _STALL_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vll
 
 def _group_processes(pgid: int) -> list[tuple[int, str, str]]:
     """(pid, name, ``ps`` line: state, CPU, CPU%, CPU time, wait channel) of one process group."""
-    out = subprocess.run(["ps", "-e", "-o", "pgid=,pid=,stat=,psr=,pcpu=,time=,wchan:22=,comm="],
-                         capture_output=True, text=True).stdout
+    try:  # bounded: ps blocks on a process stuck in the kernel (a CI run lost 25 minutes so)
+        out = subprocess.run(["ps", "-e", "-o", "pgid=,pid=,stat=,psr=,pcpu=,time=,wchan:22=,comm="],
+                             capture_output=True, text=True, timeout=20).stdout
+    except subprocess.TimeoutExpired:
+        return [(pgid, "?", "ps did not answer within 20 s: a process on this host is stuck in the kernel")]
     rows = []
     for line in out.splitlines():
         f = line.split()

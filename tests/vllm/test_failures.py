@@ -321,10 +321,11 @@ def test_stale_write_hazard_consumer_keeps_blocks_until_producer_acks_cancel(pai
     """WRITE, lifecycle 3.3: the consumer gives up (deadline) while the producer's write
     is still in flight; it must keep its blocks aside until the producer acknowledges
     the cancel (no write can land any more), only then report the load error."""
-    # the producer's write completes 2.5 s late; its own deadline (5 s) is longer than the
-    # consumer's (1 s), so the consumer gives up first
-    faults = {"backend_options": {"faults": {"delay_s": 2.5, "seed": 1}}, "transfer_timeout_s": 5.0}
-    pair = pairs("write", policy="recompute", timeout_s=1.0, lease_s=5.0, p_extra=faults)
+    # the producer's write completes 5 s late; its own deadline (8 s) is longer than the
+    # consumer's (1.5 s), so the consumer gives up first (seconds apart: a loaded host's
+    # stalls cannot reorder them)
+    faults = {"backend_options": {"faults": {"delay_s": 5.0, "seed": 1}}, "transfer_timeout_s": 8.0}
+    pair = pairs("write", policy="recompute", timeout_s=1.5, lease_s=8.0, p_extra=faults)
     prompt = prompt_of(50)
     params = pair.prefill("p1", prompt)
     load = _start(pair, prompt, params=params)

@@ -107,16 +107,14 @@ def test_census_rule_on_deployment_layouts(layout, oversubscribed):
 
 
 def _fake_worker(cpu: int) -> subprocess.Popen:
-    """A process titled like vLLM's workers (argv[0], what /proc/<pid>/cmdline starts with),
-    pinned to ``cpu``; it waits on stdin and ends when stdin closes.
-
-    Returns once the child has written a byte from Python: Popen returns as soon as the
-    kernel has begun the exec, and until the exec has laid out the new arguments the
-    child's /proc/<pid>/cmdline reads empty (a full CI run once counted 2 of 3 that way)."""
-    p = subprocess.Popen(["VLLM::Worker_TP0", "-c",
-                          "import sys; sys.stdout.write('r'); sys.stdout.flush(); sys.stdin.read()"],
-                         executable=sys.executable, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    assert p.stdout.read(1) == b"r"  # the child runs Python: its exec is complete
+    """A process titled as vLLM titles its workers (``setproctitle``, which also sets the
+    process name the census reads), pinned to ``cpu``; it waits on stdin and ends when
+    stdin closes. Returns once the child has written a byte after taking its title."""
+    p = subprocess.Popen([sys.executable, "-c",
+                          "import sys, setproctitle; setproctitle.setproctitle('VLLM::Worker_TP0'); "
+                          "sys.stdout.write('r'); sys.stdout.flush(); sys.stdin.read()"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert p.stdout.read(1) == b"r"  # titled
     os.sched_setaffinity(p.pid, {cpu})
     return p
 

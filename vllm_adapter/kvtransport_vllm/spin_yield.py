@@ -67,7 +67,8 @@ SPIN_YIELD_MODES = ("auto", "sleep", "sched_yield")
 #: vLLM modules that call (and bind by name) ``sched_yield`` in their wait loops
 YIELD_SITES = ("vllm.distributed.utils", "vllm.distributed.device_communicators.shm_broadcast")
 
-#: the process title vLLM gives its worker processes (``VLLM::Worker_TP0``, ``VLLM::Worker_PP1_TP0``, ...)
+#: the process title vLLM gives its worker processes (``VLLM::Worker_TP0``, ``VLLM::Worker_PP1_TP0``, ...);
+#: the kernel keeps its first 15 bytes as the process name, which this prefix fits in
 WORKER_TITLE = b"VLLM::Worker"
 
 #: longest an automatic choice is kept before the census is taken again (seconds)
@@ -100,21 +101,26 @@ def census_of(own_cpus: set[int], worker_cpus: list[set[int]]) -> HostCensus:
 
 def host_census(proc: str = "/proc") -> HostCensus:
     """:func:`census_of` for this host now: this thread's CPU affinity, and each process
-    whose command line starts with vLLM's worker title (``/proc/<pid>/cmdline``) with its
-    affinity. Stopped processes (SIGSTOP: they compete for nothing) and zombies are not
-    counted; a process that ends while it is read is skipped."""
+    whose name starts with vLLM's worker title with its affinity. Stopped processes
+    (SIGSTOP: they compete for nothing) and zombies are not counted; a process that ends
+    while it is read is skipped.
+
+    Only ``/proc/<pid>/stat`` is read (the name vLLM's ``setproctitle`` also gives the
+    process, and its state), never ``/proc/<pid>/cmdline``: reading a command line takes
+    that process's memory-map lock, so one process stuck in the kernel with it held would
+    block the census, and the census runs inside vLLM's wait loop: a worker blocked there
+    past ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` kills its engine."""
     own = os.sched_getaffinity(0)
     sets = []
     for name in os.listdir(proc):
         if not name.isdigit():
             continue
         try:
-            with open(f"{proc}/{name}/cmdline", "rb") as f:
-                if not f.read(len(WORKER_TITLE)).startswith(WORKER_TITLE):
-                    continue
             with open(f"{proc}/{name}/stat", "rb") as f:
-                state = f.read().rpartition(b")")[2].split()[0]  # the field after "(comm)"
-            if state in (b"T", b"t", b"Z", b"X"):
+                head, _, rest = f.read().rpartition(b")")  # "pid (comm" and " state ..."
+            if not head.partition(b"(")[2].startswith(WORKER_TITLE):
+                continue
+            if rest.split()[0] in (b"T", b"t", b"Z", b"X"):
                 continue
             sets.append(os.sched_getaffinity(int(name)))
         except (OSError, IndexError):  # gone, or not ours to read
