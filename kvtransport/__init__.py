@@ -18,6 +18,7 @@ from . import errors
 from .agent import Agent, AgentConfig, Notification, Peer, open_agent
 from .faults import FaultPlan
 from .memory import MemoryRegion, RemoteMemoryRegion
+from .progress_fd import ProgressFd
 from .registry import BackendInfo, available_backends, installed_backends
 from .segments import BlockLayout, Segments, merge_pairs
 from .spi import Op
@@ -30,7 +31,7 @@ open = open_agent  # noqa: A001 - the public name mirrors the builtin on purpose
 
 __all__ = [
     "Agent", "AgentConfig", "BackendInfo", "BlockLayout", "FaultPlan", "MemoryRegion",
-    "Notification", "Op", "Peer", "PreparedTransfer", "RemoteMemoryRegion", "Segments", "State",
+    "Notification", "Op", "Peer", "PreparedTransfer", "ProgressFd", "RemoteMemoryRegion", "Segments", "State",
     "Transfer", "TransferOwner", "TransferStatus", "available_backends", "errors",
     "installed_backends", "merge_pairs", "open", "open_agent", "wait_any",
 ]

@@ -60,6 +60,7 @@ from .inflight import InFlightTransfers
 from .memory import MemoryRegion, RemoteMemoryRegion, describe_buffer
 from .peer import Peer, check_compatible, check_peer
 from .preparation import TransferPreparer, check_timeout
+from .progress_fd import ProgressFd
 from .regions import LocalRegions
 from .registry import load_backend_class, probe_class
 from .segments import Segments
@@ -88,6 +89,7 @@ class Agent:
         # Backends signal state changes here so Transfer.wait wakes without polling.
         self._progress_cond = threading.Condition()
         self._progress_gen = 0
+        self._progress_fds: set[ProgressFd] = set()  # open_progress_fd; under _progress_cond
         b: Any = backend
         while b is not None:  # the backend, and the real one under a fault injector
             b.progress_callback = self._on_backend_progress
@@ -339,6 +341,21 @@ class Agent:
         with self._progress_cond:
             self._progress_gen += 1
             self._progress_cond.notify_all()
+            for fd in self._progress_fds:
+                fd.signal()
+
+    def open_progress_fd(self) -> ProgressFd:
+        """A file descriptor made readable whenever a transfer of this agent may have
+        changed state, to wait on transfers and sockets in one poll (see
+        :mod:`kvtransport.progress_fd`); the caller closes it."""
+        fd = ProgressFd(self._drop_progress_fd)
+        with self._progress_cond:
+            self._progress_fds.add(fd)
+        return fd
+
+    def _drop_progress_fd(self, fd: ProgressFd) -> None:
+        with self._progress_cond:
+            self._progress_fds.discard(fd)
 
     def _wait_for_progress(self, token: int, timeout: float) -> None:
         """Sleep until a backend signals progress after ``token``, or ``timeout`` s."""

@@ -8,6 +8,7 @@ the T3 tests, which need a backend that cannot promise quiescence: there a small
 from __future__ import annotations
 
 import ctypes
+import select
 import threading
 import time
 from typing import Any
@@ -407,6 +408,39 @@ def test_wait_any_returns_whichever_ends_first_and_keeps_deadlines():
         a.close()
         b.close()
         c.close()
+
+
+def test_progress_fd_wakes_a_poll_when_a_transfer_ends_and_stops_when_closed():
+    """``Agent.open_progress_fd``: cleared, the fd is not readable; a read's end makes it
+    readable (a select that would otherwise wait 20 s returns), and the bytes have landed by
+    then; a closed fd is no longer signalled (the agent's next transfers still complete)."""
+    # inline_bytes=0: every copy on the backend's copy thread, which signals its end
+    a, b = kvt.open("loopback", name="pf-a", inline_bytes=0), kvt.open("loopback", name="pf-b")
+    try:
+        big = 128 << 20  # a copy of tens of ms: still running when first looked at
+        ra, rb = a.register(np.zeros(big, np.uint8)), b.register(_src(5, big))
+        peer = _connect(a, b)
+        fd = a.open_progress_fd()
+        fd.clear()
+        assert select.select([fd], [], [], 0)[0] == []
+        t = a.read(peer, ra.whole(), peer.region(rb.id).whole(), timeout=30)
+        waits = 0
+        for _ in range(100):  # a signal says "may have changed": clear, look, then wait
+            fd.clear()
+            if t.status().state is not kvt.State.PENDING:
+                break
+            assert select.select([fd], [], [], 20)[0] == [fd], "no progress signal within 20 s"
+            waits += 1
+        assert waits >= 1  # the end was seen through the fd, not by the first look
+        assert t.last_status.state is kvt.State.DONE and np.array_equal(ra.owner, rb.owner)
+        fd.close()
+        fd.close()  # idempotent
+        ra.owner[:] = 0
+        assert a.read(peer, ra.whole(), peer.region(rb.id).whole(), timeout=30).wait(20).state is kvt.State.DONE
+        assert np.array_equal(ra.owner, rb.owner)
+    finally:
+        a.close()
+        b.close()
 
 
 # -- fault injection: notifications and dead peers ------------------------------------------

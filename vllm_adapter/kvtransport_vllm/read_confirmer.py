@@ -7,8 +7,8 @@ a forward, and the answer takes longer on a busy host, so a confirmation cost on
 whole forwards (measured at concurrency 8 on KV of Llama-3-70B's size,
 docs/bench/E2E_LATENCY.md: 1.5 to 5 ms of a load's 4 to 6.5 ms of connector time).
 
-This thread waits on the agent's progress signals for any posted read to end, makes the
-load's READ -> CONFIRM step (:meth:`Consumer.read_ended`, made once by whichever thread
+This thread waits in one poll on its sockets and on the agent's progress fd (so an answer
+is taken at once even while other reads are in flight), makes the load's READ -> CONFIRM step (:meth:`Consumer.read_ended`, made once by whichever thread
 sees the end first, under the worker lock), sends the confirmation and applies the
 answer (:meth:`Consumer.on_reply`), so a load settles during the forward and is reported
 at the end of the step it settled in. Nothing of the load protocol changes: the same
@@ -19,13 +19,13 @@ The thread owns its side-channel clients (a DEALER socket serves one thread).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING
 
-import kvtransport as kvt
+import zmq
 
 from .messages import Reply
-from .side_channel import wait_for_any
 from .transfer_watcher import TransferWatcher
 
 if TYPE_CHECKING:
@@ -39,6 +39,8 @@ __all__ = ["ReadConfirmer"]
 #: longest sleep while reads or answers are awaited: bounds how late the end of a read
 #: posted while the thread waited on others is seen (a progress signal usually wakes it)
 _IN_FLIGHT_NAP_S = 0.002
+#: the same while a read is in flight on a backend that did not promise to signal its end
+_UNSIGNALLED_NAP_S = 0.001
 #: longest sleep with nothing in flight (a new post wakes the thread at once)
 _IDLE_NAP_S = 0.05
 #: how long answers to our confirmations are awaited before the engine thread's resend
@@ -53,11 +55,17 @@ class ReadConfirmer(TransferWatcher):
         super().__init__(consumer.posted, new_client, f"kvt-confirm-{name}", "reads are now confirmed at each step")
         self._consumer = consumer
         self._answers_due = 0.0  # until when answers to our confirmations are awaited
+        self._progress = consumer.ctx.agent.open_progress_fd()  # readable when a read may have ended
         self._start()
+
+    def close(self) -> None:
+        super().close()
+        self._progress.close()  # after the thread stopped polling it
 
     def _step(self) -> None:
         consumer = self._consumer
         consumer.posted.clear()  # before looking: a post after the look wakes the wait below
+        self._progress.clear()  # likewise: a read ending after the look makes the fd readable
         reading, pending = consumer.reads_in_flight()
         for r in reading:
             with consumer.ctx.lock:  # the step and its message at once: the engine thread's
@@ -73,9 +81,14 @@ class ReadConfirmer(TransferWatcher):
                 else:
                     consumer.hand_over(msg)
         answers_due = time.monotonic() < self._answers_due
-        if pending:
-            kvt.wait_any(pending, _IN_FLIGHT_NAP_S)
-        elif answers_due:  # woken by an answer as it comes; a new post is seen within the nap
-            wait_for_any(list(self._clients.values()), None, _IN_FLIGHT_NAP_S)
+        if pending or answers_due:
+            # woken by a read's end or an answer, whichever comes first; a new post is seen
+            # within the nap (its end wakes the poll anyway)
+            poller = zmq.Poller()
+            poller.register(self._progress, zmq.POLLIN)
+            for c in self._clients.values():
+                poller.register(c.socket, zmq.POLLIN)
+            silent = any(not t.awaits_signal for t in pending)  # only polling sees their end
+            poller.poll(math.ceil((_UNSIGNALLED_NAP_S if silent else _IN_FLIGHT_NAP_S) * 1000))
         else:
             consumer.posted.wait(_IDLE_NAP_S)
