@@ -106,6 +106,9 @@ class InFlightTransfers:
                 self._stats["bytes_read" if t.op is Op.READ else "bytes_written"] += t.nbytes
                 self.latencies.append(t.finished_at - t.posted_at)
                 self._finished.add(t)
+                # seen by this poll, not signalled (e.g. a copy made inside post): waiters
+                # on other threads (wait_any, progress fds) learn of it now
+                self._wake()
         else:
             self.fail(t, res.reason or "backend reported failure", quiesced=res.quiesced)
 

@@ -49,3 +49,20 @@ def test_read_settles_with_the_consumer_engine_stopped_after_posting(pairs):
     pair.drain()
     assert finish_reason(pair.C, "c1") == "length"
     pair.assert_no_leak()
+
+
+def test_reads_are_confirmed_by_the_engine_thread_once_the_confirmer_is_gone(pairs):
+    """While the confirmer runs, the engine thread leaves a read's end to it; with the thread
+    gone (stopped here as an error would stop it) the engine thread confirms the reads itself
+    at its steps, so no load is stranded: the load still settles with the producer's KV."""
+    pair = pairs("read")
+    pair.C.worker._worker._confirmer.close()
+    prompt = prompt_of(70)
+    params = pair.prefill("p1", prompt)
+    pair.C.add("c1", prompt, 3, params)
+    run_until([pair.P, pair.C], lambda: pair.C.status("c1") == RequestStatus.RUNNING)
+    assert pair.C.check_kv("c1", prompt, len(prompt)) == [], "loaded KV differs from the producer's"
+    assert pair.C.first_start.get("c1", 0) >= len(prompt) - 1, "the consumer recomputed instead of loading"
+    pair.drain()
+    assert finish_reason(pair.C, "c1") == "length"
+    pair.assert_no_leak()

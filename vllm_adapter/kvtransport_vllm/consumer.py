@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import kvtransport as kvt
@@ -36,7 +36,7 @@ from .load_stats import Cause, LoadClock, record_load, record_transfer
 from .load_messages import LoadMessages, plan_ranks
 from .messages import Msg, RecvJob, Renew, Reply, Written
 from .producer_peers import PeerConn, ProducerPeers
-from .recv import WANTS, PieceLoad, Recv, RecvState
+from .recv import READ_END_GRACE_S, WANTS, PieceLoad, Recv, RecvState
 from .tp_mapping import TPMappingError
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,8 @@ class Consumer:
         self.settle_event = threading.Event()
         #: set when reads are posted: wakes the read confirmer
         self.posted = threading.Event()
+        #: whether a read confirmer thread runs (the worker sets it): see _advance_read
+        self.read_confirmer_alive: Callable[[], bool] = lambda: False
         self.failed_recving: set[str] = set()
         self.load_errors: set[int] = set()
         self._last_renew = 0.0
@@ -275,15 +277,12 @@ class Consumer:
             r.state = RecvState.CONFIRM
             return True
 
-    def reads_in_flight(self) -> tuple[list[Recv], list[Any]]:
-        """READ-state loads and their reads still pending (for the read confirmer)."""
-        with self.ctx.lock:
-            reading = [r for r in self.recv.values() if r.state is RecvState.READ]
-        return reading, [pc.transfer for r in reading for pc in r.pieces
-                         if pc.transfer is not None and pc.transfer.last_status.state is kvt.State.PENDING]
-
     def _advance_read(self, r: Recv, now: float, gave_up: bool) -> None:
-        if self.read_ended(r):
+        # A read confirmer takes a read's end at once and reads the answer on its own socket;
+        # one sent from here is answered on ours, read only a step later. So we leave the
+        # end to it, unless it is dead or late (the read ended READ_END_GRACE_S ago).
+        ours = not self.read_confirmer_alive() or r.reads_ended_before(now - READ_END_GRACE_S)
+        if ours and self.read_ended(r):
             self.send.confirm(r, now)
             return
         posted = [pc for pc in r.pieces if pc.transfer is not None]
@@ -296,7 +295,7 @@ class Consumer:
             if r.aborted:
                 self.send.release(r)
                 self._finish(r, ok=False)
-            elif self.read_ended(r):  # the last read ended between the two looks
+            elif ours and self.read_ended(r):  # the last read ended between the two looks
                 self.send.confirm(r, now)
             return
         for pc, st in zip(posted, sts):  # FAILED and quiesced: no late byte can land any more

@@ -8,12 +8,14 @@ whole forwards (measured at concurrency 8 on KV of Llama-3-70B's size,
 docs/bench/E2E_LATENCY.md: 1.5 to 5 ms of a load's 4 to 6.5 ms of connector time).
 
 This thread waits in one poll on its sockets and on the agent's progress fd (so an answer
-is taken at once even while other reads are in flight), makes the load's READ -> CONFIRM step (:meth:`Consumer.read_ended`, made once by whichever thread
-sees the end first, under the worker lock), sends the confirmation and applies the
-answer (:meth:`Consumer.on_reply`), so a load settles during the forward and is reported
-at the end of the step it settled in. Nothing of the load protocol changes: the same
-transitions under the same lock, the same message; the engine thread still resends an
-unanswered confirmation every 50 ms on its own connection and handles every failure.
+is taken at once even while other reads are in flight), makes the load's READ -> CONFIRM
+step (:meth:`Consumer.read_ended`, under the worker lock; while this thread runs the
+engine thread leaves that step to it unless it is 50 ms late, since an answer to the
+engine thread's own message waits for its next step), sends the confirmation and applies
+the answer (:meth:`Consumer.on_reply`), so a load settles during the forward and is
+reported at the end of the step it settled in. Nothing of the load protocol changes: the
+same transitions under the same lock, the same message; the engine thread still resends
+an unanswered confirmation every 50 ms on its own connection and handles every failure.
 The thread owns its side-channel clients (a DEALER socket serves one thread).
 """
 
@@ -25,7 +27,10 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+import kvtransport as kvt
+
 from .messages import Reply
+from .recv import RecvState
 from .transfer_watcher import TransferWatcher
 
 if TYPE_CHECKING:
@@ -66,7 +71,10 @@ class ReadConfirmer(TransferWatcher):
         consumer = self._consumer
         consumer.posted.clear()  # before looking: a post after the look wakes the wait below
         self._progress.clear()  # likewise: a read ending after the look makes the fd readable
-        reading, pending = consumer.reads_in_flight()
+        with consumer.ctx.lock:
+            reading = [r for r in consumer.recv.values() if r.state is RecvState.READ]
+        pending = [pc.transfer for r in reading for pc in r.pieces
+                   if pc.transfer is not None and pc.transfer.last_status.state is kvt.State.PENDING]
         for r in reading:
             with consumer.ctx.lock:  # the step and its message at once: the engine thread's
                 if consumer.read_ended(r):  # resend times from this send (``last_sent``)

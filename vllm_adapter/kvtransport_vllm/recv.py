@@ -21,7 +21,7 @@ from .load_stats import Cause, LoadClock
 from .messages import RecvJob
 from .tp_mapping import Piece
 
-__all__ = ["RecvState", "PieceLoad", "Recv", "WANTS"]
+__all__ = ["RecvState", "PieceLoad", "Recv", "WANTS", "READ_END_GRACE_S"]
 
 
 class RecvState(enum.Enum):
@@ -35,6 +35,9 @@ class RecvState(enum.Enum):
 
 #: states in which the consumer still wants the key: its lease is renewed
 WANTS = (RecvState.CONNECT, RecvState.READ, RecvState.CONFIRM, RecvState.WRITE_WAIT)
+#: how long after a read ended the engine thread leaves its confirmation to a running read
+#: confirmer (which takes it within microseconds); past it the engine thread confirms
+READ_END_GRACE_S = 0.05
 
 
 @dataclass
@@ -97,6 +100,11 @@ class Recv:
         if first and self.error:
             return
         self.cause, self.error = cause, error
+
+    def reads_ended_before(self, t: float) -> bool:
+        """READ: every posted read was seen to end before monotonic time ``t``."""
+        ends = [pc.transfer.finished_at for pc in self.pieces if pc.transfer is not None]
+        return bool(ends) and all(e is not None and e < t for e in ends)
 
     def piece_by_cid(self, cid: int) -> PieceLoad | None:
         """The piece one of whose recent messages had this cid (its latest, or a late one)."""

@@ -41,6 +41,10 @@ class TransferWatcher:
     def _start(self) -> None:
         self._thread.start()
 
+    def alive(self) -> bool:
+        """Whether the thread runs (False once closed, or after an error stopped it)."""
+        return self._thread.is_alive()
+
     def close(self) -> None:
         """Stop the thread (before the agent closes: it polls the agent's transfers)."""
         self._stop.set()

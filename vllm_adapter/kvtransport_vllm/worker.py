@@ -125,8 +125,7 @@ class KVTransportWorker:
         #: staged loads not yet copied: req id -> (the blocks to copy into the device cache,
         #: their group sizes)
         self._staged_loads: dict[str, tuple[list[int], list[int]]] = {}
-        #: staged loads whose copy into the device cache is enqueued: reported once the
-        #: fence is ready (polled each get_finished, never waited for)
+        #: staged loads whose device copy is enqueued: reported once the fence is ready (polled)
         self._copying: list[tuple[Fence, set[str]]] = []
         #: layer-wise WRITE (layerwise_write): set when the KV caches are registered
         self.layerwise: LayerwiseWriter | None = None
@@ -214,6 +213,7 @@ class KVTransportWorker:
         if self.cfg.is_consumer and self.cfg.mode == "read":
             self._confirmer = ReadConfirmer(self.consumer, ctx.new_client, self.name)
             self._helpers.append(self._confirmer)
+            self.consumer.read_confirmer_alive = self._confirmer.alive
         try:
             self.server = SideChannelServer(
                 self.cfg.side_channel_host,
