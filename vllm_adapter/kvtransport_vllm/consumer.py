@@ -278,9 +278,8 @@ class Consumer:
             return True
 
     def _advance_read(self, r: Recv, now: float, gave_up: bool) -> None:
-        # A read confirmer takes a read's end at once and reads the answer on its own socket;
-        # one sent from here is answered on ours, read only a step later. So we leave the
-        # end to it, unless it is dead or late (the read ended READ_END_GRACE_S ago).
+        # A read confirmer takes a read's end at once, its answer on its own socket (ours is read
+        # only a step later): the end is left to it unless it is dead or late (READ_END_GRACE_S)
         ours = not self.read_confirmer_alive() or r.reads_ended_before(now - READ_END_GRACE_S)
         if ours and self.read_ended(r):
             self.send.confirm(r, now)
@@ -426,9 +425,11 @@ class Consumer:
                             r.job.req_id, r.job.key, r.error or "unknown")
 
     def awaiting_replies(self) -> tuple[list[Any], list[Recv]]:
-        """Loads needing only the producer's word: the clients READ confirmations await, WRITEs awaiting "written"."""
+        """Loads needing only the producer's word: the clients READ confirmations await (sent, or
+        due from the read confirmer: reads ended), WRITEs awaiting "written"."""
         with self.ctx.lock:
-            confirming = [r for r in self.recv.values() if r.state is RecvState.CONFIRM]
+            confirming = [r for r in self.recv.values() if r.state is RecvState.CONFIRM
+                          or r.state is RecvState.READ and not r.aborted and r.reads_ended_before(float("inf"))]
             writes = [r for r in self.recv.values()
                       if r.state is RecvState.WRITE_WAIT and r.write_requested and r.written is None]
         clients = {id(p.client): p.client for r in confirming for pc in r.pieces
