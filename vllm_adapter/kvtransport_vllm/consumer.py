@@ -278,9 +278,9 @@ class Consumer:
             return True
 
     def _advance_read(self, r: Recv, now: float, gave_up: bool) -> None:
-        # A read confirmer takes a read's end at once, its answer on its own socket (ours is read
-        # only a step later): the end is left to it unless it is dead or late (READ_END_GRACE_S)
-        ours = not self.read_confirmer_alive() or r.reads_ended_before(now - READ_END_GRACE_S)
+        # a live read confirmer takes the end (answers to ours are read a step late) unless it is late
+        done_at = r.reads_done_at()
+        ours = not self.read_confirmer_alive() or (done_at is not None and done_at < now - READ_END_GRACE_S)
         if ours and self.read_ended(r):
             self.send.confirm(r, now)
             return
@@ -429,7 +429,7 @@ class Consumer:
         due from the read confirmer: reads ended), WRITEs awaiting "written"."""
         with self.ctx.lock:
             confirming = [r for r in self.recv.values() if r.state is RecvState.CONFIRM
-                          or r.state is RecvState.READ and not r.aborted and r.reads_ended_before(float("inf"))]
+                          or r.state is RecvState.READ and not r.aborted and r.reads_done_at() is not None]
             writes = [r for r in self.recv.values()
                       if r.state is RecvState.WRITE_WAIT and r.write_requested and r.written is None]
         clients = {id(p.client): p.client for r in confirming for pc in r.pieces

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import kvtransport as kvt
+
 from .load_stats import Cause, LoadClock
 from .messages import RecvJob
 from .tp_mapping import Piece
@@ -101,10 +103,13 @@ class Recv:
             return
         self.cause, self.error = cause, error
 
-    def reads_ended_before(self, t: float) -> bool:
-        """READ: every posted read was seen to end before monotonic time ``t``."""
-        ends = [pc.transfer.finished_at for pc in self.pieces if pc.transfer is not None]
-        return bool(ends) and all(e is not None and e < t for e in ends)
+    def reads_done_at(self) -> float | None:
+        """READ: when the last posted read was seen to end (monotonic), if every one ended DONE
+        (the loads a confirmation is due for); None otherwise."""
+        ts = [pc.transfer for pc in self.pieces if pc.transfer is not None]
+        if not ts or any(t.last_status.state is not kvt.State.DONE for t in ts):
+            return None
+        return max(t.finished_at for t in ts)
 
     def piece_by_cid(self, cid: int) -> PieceLoad | None:
         """The piece one of whose recent messages had this cid (its latest, or a late one)."""
