@@ -11,7 +11,8 @@ request's "done" / "written" (duplicate signal); time passes.
 
 Invariants (after every event): I1 no exception escapes an engine step (a raise fails the
 example); I2 no request stays in WAITING_FOR_REMOTE_KVS past its deadline: every such
-request has a load in the consumer's worker, and the second consumer step that begins
+request has a load in the consumer's worker (or one that ended since the last step, which
+the next step reports), and the second consumer step that begins
 after the load's deadline has ended it (the first may still see the READ complete and
 ask for confirmation), unless the load is waiting for the producer's word
 that its write has ended (CANCEL, itself bounded by the worker's "producer known gone"
@@ -182,11 +183,14 @@ class LifecycleMachine(RuleBasedStateMachine):
         C = self.C
         waiting_before = {rid for rid, q in C.scheduler.requests.items() if q.status == WFRK}
         tracked_before = set(C.scheduler.requests)
-        loads_before = dict(self.cw.consumer.recv)
+        with self.cw.ctx.lock:
+            loads_before, ended_before = dict(self.cw.consumer.recv), set(self.cw.consumer.done_recving)
         step_started = time.monotonic()
         C.step()
         kvo = C.kv_outputs[-1]
         recv, failed = set(kvo.finished_recving or ()), set(kvo.failed_recving or ())
+        # I2: a load that ended between steps (on the read confirmer thread) is reported by the next
+        assert ended_before <= recv, f"I2: {sorted(ended_before - recv)} ended but were not reported by the next step"
         for rid in C.scheduled_log[-1] & waiting_before:
             assert rid in self.reported, f"I3: {rid} scheduled before its KV was reported loaded"
         for rid in recv:
@@ -361,12 +365,17 @@ class LifecycleMachine(RuleBasedStateMachine):
     @invariant()
     def nobody_stranded(self):
         """I2, static part: a request waiting for remote KV and not yet reported loaded has
-        a live load in the consumer's worker (whose deadline ``_deadlines_kept`` checks)."""
+        a live load in the consumer's worker (whose deadline ``_deadlines_kept`` checks), or
+        one that ended and awaits the next step's report (the read confirmer thread settles
+        loads between steps: the step that follows hands them to vLLM, checked by I4)."""
         if not hasattr(self, "C"):
             return
+        consumer = self.cw.consumer
+        with self.cw.ctx.lock:  # a load leaves ``recv`` for ``done_recving`` under this lock
+            live, ended = set(consumer.recv), set(consumer.done_recving)
         for rid, q in self.C.scheduler.requests.items():
             if q.status == WFRK and rid not in self.reported and rid in self.forwarded:
-                assert rid in self.cw.consumer.recv, f"I2: {rid} waits for remote KV but no load of it exists"
+                assert rid in live or rid in ended, f"I2: {rid} waits for remote KV but no load of it exists"
 
     @invariant()
     def side_channel_threads_alive(self):
