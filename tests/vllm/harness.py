@@ -185,6 +185,11 @@ class Engine:
         self.kv_outputs: list[KVConnectorOutput] = []
         #: requests the stand-in runner emits no row for (the seed's failure shape)
         self.no_row: Callable[[str], bool] = lambda rid: False
+        #: what runs between handle_preemptions and bind_connector_metadata (vLLM prepares the
+        #: step's inputs there): given the scheduler output
+        self.between_hooks: Callable[[Any], None] = lambda so: None
+        #: False: a model runner that only binds (the connector must take the work there)
+        self.calls_handle_preemptions = True
 
     # ------------------------------------------------------------------
     def free_blocks(self) -> int:
@@ -228,6 +233,11 @@ class Engine:
         for rid, start in self._before.items():
             self.first_start.setdefault(rid, start)
         w = self.worker
+        # vLLM's model runner (0.32-0.33) calls handle_preemptions with the step's metadata
+        # first, then prepares the step's inputs (``between_hooks`` stands in), then binds
+        if self.calls_handle_preemptions:
+            w.handle_preemptions(so.kv_connector_metadata)
+        self.between_hooks(so)
         w.bind_connector_metadata(so.kv_connector_metadata)
         w.start_load_kv(None)
         self._compute_kv(so)

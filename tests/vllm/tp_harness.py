@@ -338,7 +338,9 @@ class TPEngine:
                    else [] for rid in rows]
         outs = []
         for r, w in enumerate(self.workers):
-            w.bind_connector_metadata(copy.deepcopy(so.kv_connector_metadata))  # each worker gets its copy
+            meta = copy.deepcopy(so.kv_connector_metadata)  # each worker gets its copy
+            w.handle_preemptions(meta)  # first, as vLLM's model runner calls them
+            w.bind_connector_metadata(meta)
             w.start_load_kv(None)
             if r == 0:
                 self._compute_kv(so, before)
