@@ -120,6 +120,14 @@ def kv_pattern(token_ids: torch.Tensor, positions: torch.Tensor, layer: int) -> 
 class Engine:
     """One engine: real Scheduler + scheduler-role connector + worker-role connector."""
 
+    #: False: a model runner that only binds (the connector must take the work there)
+    calls_handle_preemptions = True
+
+    @staticmethod
+    def between_hooks(so: Any) -> None:
+        """What runs between handle_preemptions and bind_connector_metadata, given the
+        scheduler output (vLLM prepares the step's inputs there); a test may set its own."""
+
     def __init__(self, kv_role: str, extra: dict[str, Any], *, block_size: int = 16, num_blocks: int = 64,
                  engine_id: str | None = None, connector_cls: type | None = None,
                  kv_load_failure_policy: str = "fail", max_num_batched_tokens: int = 256,
@@ -185,11 +193,6 @@ class Engine:
         self.kv_outputs: list[KVConnectorOutput] = []
         #: requests the stand-in runner emits no row for (the seed's failure shape)
         self.no_row: Callable[[str], bool] = lambda rid: False
-        #: what runs between handle_preemptions and bind_connector_metadata (vLLM prepares the
-        #: step's inputs there): given the scheduler output
-        self.between_hooks: Callable[[Any], None] = lambda so: None
-        #: False: a model runner that only binds (the connector must take the work there)
-        self.calls_handle_preemptions = True
 
     # ------------------------------------------------------------------
     def free_blocks(self) -> int:
