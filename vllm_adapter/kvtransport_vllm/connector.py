@@ -250,8 +250,9 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """vLLM's first worker call of a step, with the step's metadata, before the model runner
         prepares the step's inputs (vLLM 0.32-0.33): new work is taken here, so a READ starts
-        before that preparation (3 ms at concurrency 8 on a busy host: the largest part of a
-        load's connector time) instead of after it. We hold nothing a preemption must save.
+        before that preparation instead of after it (at concurrency 8 on kv-70b its wait to be
+        taken fell by about 0.9 ms, docs/bench/E2E_LATENCY.md). We hold nothing a preemption
+        must save.
         A runner that does not call this gets the same at ``bind_connector_metadata``: the
         worker takes each metadata object once."""
         if self._worker is not None and isinstance(kv_connector_metadata, KVTransportMetadata):
@@ -273,7 +274,7 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.progress()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self._worker.on_metadata(self._meta())  # no-op when already taken at bind
+        self._worker.on_metadata(self._meta())  # no-op when already taken by an earlier hook
         # A step without a forward (vLLM runs one while requests only wait for KV) has no
         # attention metadata: only then may get_finished wait briefly for a WRITE's
         # "written", since no running request is held up by it (worker._await_replies).

@@ -299,7 +299,7 @@ class KVTransportWorker:
     # ------------------------------------------------------------------ per step
     def on_metadata(self, meta: KVTransportMetadata | None) -> None:
         """Take this step's new work from the scheduler half (once per metadata object: the
-        connector offers it at bind time and again at start_load_kv)."""
+        connector offers it at handle_preemptions, at bind and at start_load_kv)."""
         if self.layerwise is not None and meta is not self._taken_meta:
             self.layerwise.begin_step(meta)  # this step's blocks (none without metadata)
         if meta is None or meta is self._taken_meta:
