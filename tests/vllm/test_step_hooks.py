@@ -2,8 +2,8 @@
 
 vLLM's model runner calls ``handle_preemptions`` with the step's metadata before it prepares
 the step's inputs, and ``bind_connector_metadata`` after: the connector takes new loads at
-the first, so a READ is posted before that preparation (measured: 3 ms of a load's connector
-time at concurrency 8, docs/bench/E2E_LATENCY.md), and takes each metadata object once, so
+the first, so a READ is posted before that preparation (measured at concurrency 8: its wait
+to be taken fell by about 0.9 ms, docs/bench/E2E_LATENCY.md), and takes each metadata object once, so
 the bind that follows neither starts a load twice nor loses one. A runner that only binds
 gets the same at bind.
 """
