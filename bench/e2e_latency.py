@@ -455,11 +455,19 @@ def pct(values: list[float], q: float) -> float:
     return s[k]
 
 
-def phase_metrics(server: harness.VllmServer) -> dict[str, tuple[float, float]]:
-    """{phase: (sum seconds, count)} of the connector's per-phase load timings."""
+def phase_metrics(setup: Setup) -> dict[str, tuple[float, float]]:
+    """{phase: (sum seconds, count)} of the connector's per-phase load timings (decode
+    engine), and under ``AFTER_PREFILL`` the WRITE time after the prefill (prefill engine)."""
     out: dict[str, tuple[float, float]] = {}
+    if setup.prefill is not None:
+        with contextlib.suppress(httpx.HTTPError):
+            m = setup.prefill.metrics()
+            tail = [sum(v for k, v in m.items() if k.startswith(f"{AFTER_PREFILL_SERIES}{suffix}{{"))
+                    for suffix in ("_sum", "_count")]
+            if tail[1]:
+                out[AFTER_PREFILL] = (tail[0], tail[1])
     try:
-        m = server.metrics()
+        m = setup.decode.metrics()
     except httpx.HTTPError:
         return out
     for key, value in m.items():
@@ -541,9 +549,9 @@ def main(argv: list[str] | None = None) -> int:
                         for other in setups.values():
                             freeze(other, other is not st)
                     time.sleep(SPIN_DOWN_S)  # let the previous setup's workers stop busy-waiting
-                    before = phase_metrics(st.decode)
+                    before = phase_metrics(st)
                     got, wall = asyncio.run(run_workload(st, wl))
-                    after = phase_metrics(st.decode)
+                    after = phase_metrics(st)
                     samples[name][wname] += got
                     walls[name][wname] += wall
                     acc = phases[name].setdefault(wname, {})
@@ -648,8 +656,9 @@ def report(results: dict[str, dict[str, dict[str, Any]]], phases: dict[str, Any]
     if rows:
         print("\n## KVTransportConnector: where a remote load's time goes (decode engine's stats, mean ms per load)")
         print("| setup | workload | " + " | ".join(PHASES)
-              + " | connector's own (total - transfer - step) | total - transfer |")
-        print("|---" * (len(PHASES) + 4) + "|")
+              + " | connector's own (total - transfer - step) | total - transfer"
+              " | WRITE: prefill's end -> last byte (prefill engine) |")
+        print("|---" * (len(PHASES) + 5) + "|")
         for name, wl, ph in rows:
             cells, mean = [], {}
             for p in PHASES:
@@ -658,11 +667,18 @@ def report(results: dict[str, dict[str, dict[str, Any]]], phases: dict[str, Any]
                 cells.append(f"{mean[p]:.2f}" if count else "—")
             n = int(ph.get("total", (0, 0))[1])
             own = mean["total"] - mean["transfer"]
-            print(f"| {name} | {wl} (n={n}) | " + " | ".join(cells) + f" | {own - mean['step']:.2f} | {own:.2f} |")
+            tail_s, tail_n = ph.get(AFTER_PREFILL, (0.0, 0.0))
+            tail = f"{1000 * tail_s / tail_n:.2f} (n={int(tail_n)})" if tail_n else "—"
+            print(f"| {name} | {wl} (n={n}) | " + " | ".join(cells) + f" | {own - mean['step']:.2f} | {own:.2f}"
+                  f" | {tail} |")
 
 
 #: The connector's load phases as exported on /metrics (kvtransport_vllm.prom_metrics).
 PHASES = ("queued", "handshake", "transfer", "confirm", "step", "report", "total")
+#: WRITE on the prefill side: the end of the prefill -> the write's last byte (what layer-wise
+#: WRITE shortens), kept with the phases under this key
+AFTER_PREFILL_SERIES = "vllm:kvtransport_write_after_prefill_seconds"
+AFTER_PREFILL = "write_after_prefill"
 
 
 def plot(results: dict[str, dict[str, dict[str, Any]]], wls: list[str], out: Path) -> None:

@@ -167,6 +167,10 @@ def test_layerwise_write_pushes_each_chunk_during_the_prefill_and_bytes_match(lw
     assert not any(o.invalid_block_ids for o in pair.C.kv_outputs)
     pair.drain(30)
     pair.assert_no_leak()
+    # the producer's statistics time each request's push after its prefill (warm-up and this one)
+    after = [v for o in pair.P.kv_outputs if o.kv_connector_stats is not None
+             for v in o.kv_connector_stats.data["write_after_prefill_s"]]
+    assert len(after) == 2 and min(after) >= 0.0
 
 
 def test_destination_known_mid_prefill_gets_what_was_computed_then_the_rest(lw_pairs):

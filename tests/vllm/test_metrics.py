@@ -78,6 +78,9 @@ def test_series_count_the_loads_and_holds(pairs, mode):
     assert _value(mover_reg, "vllm:kvtransport_transfer_seconds_count", **labels) == 3
     assert _value(mover_reg, "vllm:kvtransport_transfer_bytes_sum", **labels) == mover_total.data["bytes"] > 0
     assert _value(mover_reg, "vllm:kvtransport_transfer_blocks_sum", **labels) == sum(mover_total.data["transfer_blocks"]) >= 3
+    # WRITE: each write's time after the prefill, on the prefill side (READ has none)
+    assert _value(p_reg, "vllm:kvtransport_write_after_prefill_seconds_count", **labels) == (3 if mode == "write" else 0)
+    assert len(p_total.data["write_after_prefill_s"]) == (3 if mode == "write" else 0)
     # nothing left in flight on either side
     assert _value(c_reg, "vllm:kvtransport_loads_in_flight", **labels) == 0
     assert _value(p_reg, "vllm:kvtransport_holds_in_flight", **labels) == 0

@@ -59,6 +59,9 @@ class Hold:
     notify_cids: set[int] = field(default_factory=set)
     last_sent: float = 0.0
     posted_at: float = 0.0  # WRITE: when the write was posted (its transfer time)
+    #: when the hold began (monotonic): the prefill's KV is complete; WRITE's time after the
+    #: prefill runs from here to the write's end (``write_after_prefill_s``)
+    held_at: float = 0.0
     #: consumer ranks this hold waits for (several read from us when their TP is larger)
     readers: int = 1
     #: consumer rank -> how it finished with us ("done", "released"); ended when all have

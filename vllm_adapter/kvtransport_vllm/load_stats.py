@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["Cause", "HOLD_CAUSES", "LoadClock", "PHASES", "count_outcome", "new_stats", "record_load",
-           "record_transfer"]
+           "record_transfer", "record_written"]
 
 PHASES = ("queued", "handshake", "transfer", "confirm", "step", "report", "total")
 
@@ -100,6 +100,8 @@ def new_stats() -> dict[str, Any]:
             "latency_s_sum": 0.0, "latency_s_max": 0.0,
             # per transfer (READ by the consumer, WRITE by the producer)
             "transfer_s": [], "transfer_bytes": [], "transfer_blocks": [],
+            # per WRITE that ended: seconds from the prefill's end (hold began) to its last byte
+            "write_after_prefill_s": [],
             # per ended load: phase -> durations; outcomes: "side:cause" -> count
             "phase_s": {p: [] for p in PHASES}, "outcomes": {},
             # snapshots taken at take_stats (None: unchanged since the last report)
@@ -115,6 +117,13 @@ def record_transfer(stats: dict[str, Any], seconds: float, nbytes: int, nblocks:
     stats["transfer_s"].append(seconds)
     stats["transfer_bytes"].append(nbytes)
     stats["transfer_blocks"].append(nblocks)
+
+
+def record_written(stats: dict[str, Any], held_at: float) -> None:
+    """A WRITE has ended with every byte in the consumer's blocks: how long after the
+    prefill did (its hold began). What layer-wise WRITE shortens: the part of the push
+    the prefill's compute did not hide."""
+    stats["write_after_prefill_s"].append(max(0.0, time.monotonic() - held_at))
 
 
 def record_load(stats: dict[str, Any], clock: LoadClock, reported: float, cause: Cause,

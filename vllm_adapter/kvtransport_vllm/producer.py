@@ -41,7 +41,7 @@ from .hold import Dest, Hold, HoldState
 from .kv_groups import align_tails, flatten, split
 from .block_sizes import groups_refusal, paired_segments
 from .kv_layout import block_segments, piece_layouts, remote_layouts
-from .load_stats import HOLD_CAUSES, Cause, count_outcome, record_transfer
+from .load_stats import HOLD_CAUSES, Cause, count_outcome, record_transfer, record_written
 from .messages import Hello, HoldJob, LayoutInfo, Msg, Reply, WriteReq, Written
 from .producer_peers import reconnect
 
@@ -53,8 +53,7 @@ log = logging.getLogger(__name__)
 __all__ = ["HoldState", "Hold", "Producer"]
 
 _RECENT = 65536  # remembered ended keys (late messages answered "expired", not "pending")
-#: consumer engines whose hand-shake is kept (beyond, the oldest is forgotten and asked to
-#: hand-shake again), so made-up engine ids cannot grow it
+#: consumer hand-shakes kept (beyond, the oldest is forgotten): made-up engine ids cannot grow it
 _MAX_CONSUMERS = 1024
 
 
@@ -82,16 +81,14 @@ class Producer:
         #: is on): its early writes of a key count as in flight for every rule of this module
         self.layerwise: Any = None
         self.consumer_peers: dict[str, Any] = {}
-        #: connections to consumers that a failed write or a new hand-shake retired: closed
-        #: when the next write connects again (``producer_peers.reconnect``: new endpoints,
-        #: not the failed ones a backend may keep for a peer still loaded)
+        #: connections a failed write or a new hand-shake retired: closed when the next write
+        #: connects again (``producer_peers.reconnect``: new endpoints, not the failed ones)
         self.retired_peers: dict[str, Any] = {}
         self.consumer_layouts: dict[str, LayoutInfo] = {}
         self.done_sending: set[str] = set()
-        #: releases from some of several readers before we learnt of the hold:
-        #: key -> (readers, {rank: how}). Kept, like ``ended``, for the last _RECENT keys and
-        #: not for a lease only: a consumer rank whose cancel we acked has handed its blocks
-        #: back, so a write request of its that arrives late must never be written
+        #: releases from some of several readers before we learnt of the hold: key -> (readers,
+        #: {rank: how}). Kept like ``ended``, not for a lease only: a rank whose cancel we acked
+        #: has handed its blocks back, so a late write request of its must never be written
         self.early_finished: OrderedDict[str, tuple[int, dict[int, str]]] = OrderedDict()
         #: set whenever a write is posted: wakes the :class:`~.written_notifier.WrittenNotifier`
         self.posted = threading.Event()
@@ -107,7 +104,7 @@ class Producer:
                 count_outcome(self.ctx.stats, "hold", HOLD_CAUSES.get(self.ended[j.key], Cause.OK))
                 continue
             hold = Hold(j.req_id, j.key, list(j.block_ids), expiry=now + self.ctx.cfg.lease_s,
-                        group_sizes=list(j.group_sizes))
+                        group_sizes=list(j.group_sizes), held_at=now)
             part = self.early_finished.pop(j.key, None)
             if part is not None:
                 hold.readers, hold.finished = part[0], dict(part[1])
@@ -210,6 +207,7 @@ class Producer:
                 self.ctx.stats["bytes"] += h.write.nbytes
                 record_transfer(self.ctx.stats, time.monotonic() - h.posted_at, h.write.nbytes,
                                 len(h.dest.block_ids) if h.dest else 0)
+                record_written(self.ctx.stats, h.held_at)
             else:
                 self.ctx.stats["failures"] += 1
             h.state, h.write_ok, h.write_reason, h.last_sent = HoldState.NOTIFY, ok, st.reason, 0.0
@@ -268,6 +266,8 @@ class Producer:
                 self.posted.set()
             elif next_state is HoldState.NOTIFY:
                 h.write_ok, h.write_reason, h.last_sent = fail is None, fail or "", 0.0
+                if fail is None:  # every byte written already, layer by layer
+                    record_written(self.ctx.stats, h.held_at)
 
     def _pairs(self, h: Hold, dest: Dest) -> tuple[list[list[int]], list[list[int]]] | str | None:
         """Our blocks and the consumer's, paired (a message when they cannot be; None before

@@ -10,6 +10,10 @@ Series (docs/vllm/USAGE.md, "Metrics"):
 
 * ``vllm:kvtransport_transfer_seconds`` / ``_transfer_bytes`` / ``_transfer_blocks`` —
   histograms per transfer (READ on the decode side, WRITE on the prefill side);
+* ``vllm:kvtransport_write_after_prefill_seconds`` — histogram, WRITE on the prefill side:
+  from the end of a request's prefill (its hold began) to the last byte of its write in the
+  consumer's blocks -- the part of the push the prefill did not hide (layer-wise WRITE
+  shortens it);
 * ``vllm:kvtransport_remote_kv_wait_seconds`` — histogram: how long a request waited for
   its remote KV (blocks allocated -> load handed to vLLM), successful loads;
 * ``vllm:kvtransport_load_phase_seconds{phase}`` — the same wait split into its phases
@@ -56,6 +60,9 @@ class KVTransportPromMetrics(KVConnectorPromMetrics):
             "vllm:kvtransport_transfer_bytes", "Bytes moved by one KV transfer.", _BYTES))
         self._transfer_blocks = self._per_engine(hist(
             "vllm:kvtransport_transfer_blocks", "KV blocks moved by one transfer.", _BLOCKS))
+        self._after_prefill_s = self._per_engine(hist(
+            "vllm:kvtransport_write_after_prefill_seconds",
+            "WRITE: end of the prefill (hold began) -> last byte written to the consumer.", _SECONDS))
         self._wait_s = self._per_engine(hist(
             "vllm:kvtransport_remote_kv_wait_seconds",
             "Time a request waited for its remote KV (blocks allocated -> load reported).", _SECONDS))
@@ -81,7 +88,8 @@ class KVTransportPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         d = transfer_stats_data
         for values, metric in ((d.get("transfer_s"), self._transfer_s), (d.get("transfer_bytes"), self._transfer_bytes),
-                               (d.get("transfer_blocks"), self._transfer_blocks)):
+                               (d.get("transfer_blocks"), self._transfer_blocks),
+                               (d.get("write_after_prefill_s"), self._after_prefill_s)):
             for v in values or ():
                 metric[engine_idx].observe(v)
         labels = self._labels(engine_idx)

@@ -19,7 +19,7 @@ __all__ = ["KVTransportStats"]
 
 _SUMS = ("bytes", "transfers", "failures", "loads_ok", "leases_expired", "latency_s_sum",
          "sc_auth_failures", "sc_malformed", "sc_version_mismatch", "sc_dropped")
-_LISTS = ("transfer_s", "transfer_bytes", "transfer_blocks")
+_LISTS = ("transfer_s", "transfer_bytes", "transfer_blocks", "write_after_prefill_s")
 _GAUGES = ("holds_in_flight", "loads_in_flight")
 
 
@@ -85,6 +85,9 @@ class KVTransportStats(KVConnectorStats):
             "avg_load_latency_ms": round(1000.0 * self.data["latency_s_sum"] / ok, 3) if ok else 0.0,
             "max_load_latency_ms": round(1000.0 * self.data["latency_s_max"], 3),
         }
+        tail = self.data["write_after_prefill_s"]
+        if tail:
+            out["avg_write_after_prefill_ms"] = round(1000.0 * sum(tail) / len(tail), 3)
         for p, values in self.data["phase_s"].items():
             if values:
                 out[f"avg_{p}_ms"] = round(1000.0 * sum(values) / len(values), 3)
