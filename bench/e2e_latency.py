@@ -455,17 +455,28 @@ def pct(values: list[float], q: float) -> float:
     return s[k]
 
 
+def _sum_count(server: harness.VllmServer, series: str) -> tuple[float, float] | None:
+    """(sum, count) of a histogram on ``server``'s /metrics, over all its labels."""
+    try:
+        m = server.metrics()
+    except httpx.HTTPError:
+        return None
+    got = [sum(v for k, v in m.items() if k.startswith(f"{series}{suffix}{{")) for suffix in ("_sum", "_count")]
+    return (got[0], got[1]) if got[1] else None
+
+
 def phase_metrics(setup: Setup) -> dict[str, tuple[float, float]]:
     """{phase: (sum seconds, count)} of the connector's per-phase load timings (decode
-    engine), and under ``AFTER_PREFILL`` the WRITE time after the prefill (prefill engine)."""
+    engine); under ``AFTER_PREFILL`` the WRITE time after the prefill (prefill engine); under
+    ``ENGINE_TTFT`` vLLM's own time to first token on the engine whose token is the client's
+    first (one engine alone, or the prefill engine under the first-token hand-over)."""
     out: dict[str, tuple[float, float]] = {}
-    if setup.prefill is not None:
-        with contextlib.suppress(httpx.HTTPError):
-            m = setup.prefill.metrics()
-            tail = [sum(v for k, v in m.items() if k.startswith(f"{AFTER_PREFILL_SERIES}{suffix}{{"))
-                    for suffix in ("_sum", "_count")]
-            if tail[1]:
-                out[AFTER_PREFILL] = (tail[0], tail[1])
+    for key, server, series in ((AFTER_PREFILL, setup.prefill, AFTER_PREFILL_SERIES),
+                                (ENGINE_TTFT, setup.prefill if setup.handover else
+                                 setup.decode if setup.prefill is None else None, ENGINE_TTFT_SERIES)):
+        got = _sum_count(server, series) if server is not None else None
+        if got is not None:
+            out[key] = got
     try:
         m = setup.decode.metrics()
     except httpx.HTTPError:
@@ -652,7 +663,15 @@ def report(results: dict[str, dict[str, dict[str, Any]]], phases: dict[str, Any]
                   f"{r['req_per_s']:.2f} | {r['tok_per_s']:.0f} | {ratio(r, single, 'e2e_p50')} | "
                   f"{ratio(r, example, 'e2e_p50')} | {ratio(r, single, 'ttft_p50')} | "
                   f"{ratio(r, example, 'ttft_p50')} | {r['mismatches']} | {r['errors']} |")
-    rows = [(name, wl, ph) for name, by_wl in phases.items() for wl, ph in by_wl.items() if ph]
+    rows = [(name, wl, ph) for name, by_wl in phases.items() for wl, ph in by_wl.items() if ph.get(ENGINE_TTFT)]
+    if rows:
+        print("\n## TTFT as the engine saw it (vLLM's vllm:time_to_first_token_seconds on the engine whose token is the"
+              " client's first; one engine alone, or the prefill engine under the hand-over), mean ms")
+        print("| setup | workload | n | engine TTFT mean ms |\n|---|---|---|---|")
+        for name, wl, ph in rows:
+            total, count = ph[ENGINE_TTFT]
+            print(f"| {name} | {wl} | {int(count)} | {1000 * total / count:.2f} |")
+    rows = [(name, wl, ph) for name, by_wl in phases.items() for wl, ph in by_wl.items() if ph.get("total")]
     if rows:
         print("\n## KVTransportConnector: where a remote load's time goes (decode engine's stats, mean ms per load)")
         print("| setup | workload | " + " | ".join(PHASES)
@@ -679,6 +698,9 @@ PHASES = ("queued", "handshake", "transfer", "confirm", "step", "report", "total
 #: WRITE shortens), kept with the phases under this key
 AFTER_PREFILL_SERIES = "vllm:kvtransport_write_after_prefill_seconds"
 AFTER_PREFILL = "write_after_prefill"
+#: vLLM's own time to first token (arrival in the engine -> first token out), kept with the phases
+ENGINE_TTFT_SERIES = "vllm:time_to_first_token_seconds"
+ENGINE_TTFT = "engine_ttft"
 
 
 def plot(results: dict[str, dict[str, dict[str, Any]]], wls: list[str], out: Path) -> None:
