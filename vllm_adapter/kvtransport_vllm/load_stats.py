@@ -120,9 +120,10 @@ def record_transfer(stats: dict[str, Any], seconds: float, nbytes: int, nblocks:
 
 
 def record_written(stats: dict[str, Any], held_at: float) -> None:
-    """A WRITE has ended with every byte in the consumer's blocks: how long after the
-    prefill did (its hold began). What layer-wise WRITE shortens: the part of the push
-    the prefill's compute did not hide."""
+    """A WRITE has ended with every byte in the consumer's blocks: record how long after
+    the prefill's end (the hold's start) that was. It is the part of the push the prefill's
+    compute did not hide, which layer-wise WRITE shortens; in the two-hop flow it also holds
+    the wait for the decode engine's block ids."""
     stats["write_after_prefill_s"].append(max(0.0, time.monotonic() - held_at))
 
 
