@@ -455,12 +455,18 @@ def pct(values: list[float], q: float) -> float:
     return s[k]
 
 
-def _sum_count(server: harness.VllmServer, series: str) -> tuple[float, float] | None:
-    """(sum, count) of a histogram on ``server``'s /metrics, over all its labels."""
+def _scrape(server: harness.VllmServer | None) -> dict[str, float]:
+    """``server``'s /metrics ({} when there is no server or it does not answer)."""
+    if server is None:
+        return {}
     try:
-        m = server.metrics()
+        return server.metrics()
     except httpx.HTTPError:
-        return None
+        return {}
+
+
+def _sum_count(m: dict[str, float], series: str) -> tuple[float, float] | None:
+    """(sum, count) of a histogram in scraped metrics ``m``, over all its labels."""
     got = [sum(v for k, v in m.items() if k.startswith(f"{series}{suffix}{{")) for suffix in ("_sum", "_count")]
     return (got[0], got[1]) if got[1] else None
 
@@ -469,19 +475,21 @@ def phase_metrics(setup: Setup) -> dict[str, tuple[float, float]]:
     """{phase: (sum seconds, count)} of the connector's per-phase load timings (decode
     engine); under ``AFTER_PREFILL`` the WRITE time after the prefill (prefill engine); under
     ``ENGINE_TTFT`` vLLM's own time to first token on the engine whose token is the client's
-    first (one engine alone, or the prefill engine under the first-token hand-over)."""
+    first (one engine alone, or the prefill engine under the first-token hand-over). Each
+    engine's /metrics is read once."""
+    pre, dec = _scrape(setup.prefill), _scrape(setup.decode)
+    if setup.handover:
+        first_token = pre
+    elif setup.prefill is None:
+        first_token = dec
+    else:
+        first_token = {}  # the client's first token spans both hops: no one engine's view
     out: dict[str, tuple[float, float]] = {}
-    for key, server, series in ((AFTER_PREFILL, setup.prefill, AFTER_PREFILL_SERIES),
-                                (ENGINE_TTFT, setup.prefill if setup.handover else
-                                 setup.decode if setup.prefill is None else None, ENGINE_TTFT_SERIES)):
-        got = _sum_count(server, series) if server is not None else None
+    for key, m, series in ((AFTER_PREFILL, pre, AFTER_PREFILL_SERIES), (ENGINE_TTFT, first_token, ENGINE_TTFT_SERIES)):
+        got = _sum_count(m, series)
         if got is not None:
             out[key] = got
-    try:
-        m = setup.decode.metrics()
-    except httpx.HTTPError:
-        return out
-    for key, value in m.items():
+    for key, value in dec.items():
         for suffix, idx in (("_sum", 0), ("_count", 1)):
             name = "vllm:kvtransport_load_phase_seconds" + suffix
             if key.startswith(name + "{"):
