@@ -468,7 +468,9 @@ class _LeaseWatch:
         assert self.expiry is not None, "the producer never held the blocks"
         assert self.freed_in is not None, f"{self.rid}'s blocks still held a whole lease after their lease ended"
         assert self.rounds[self.freed_in][1] >= self.expiry, "freed before the lease ended"
-        first_after = next(i for i, (start, _) in enumerate(self.rounds) if start >= self.expiry)
+        # no round began after the lease ended: it was freed in the round during which it ended
+        first_after = next((i for i, (start, _) in enumerate(self.rounds) if start >= self.expiry),
+                           len(self.rounds))
         assert self.freed_in <= first_after + 1, (
             f"freed {self.freed_in - first_after} rounds of steps after the first one past its lease")
 
