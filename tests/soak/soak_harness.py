@@ -170,9 +170,13 @@ class SoakConfig:
     p_abort_rate: float = 0.02
     late_forward_rate: float = 0.02
     never_forward_rate: float = 0.01
-    # child-process producer: kill -9 and restart it after these fractions of the requests
+    # child-process producer: kill -9 and restart it after these fractions of the requests,
+    # each time once the producer process has served this many loads (verified byte for
+    # byte): a restarted producer takes seconds to start while requests queue for it, and a
+    # kill on the issue count alone could land before it served anything
     child_producer: bool = False
     kill_at: tuple[float, ...] = ()
+    kill_after_served: int = 5
 
     @property
     def delay_s(self) -> float:
@@ -206,6 +210,14 @@ class SoakResult:
     elapsed_s: float = 0.0
     steps: int = 0
     producer_kills: int = 0
+    #: loads verified byte for byte, by the producer process (1, 2, ...) their request was sent to
+    verified_by_producer: Counter = field(default_factory=Counter)
+
+    def served_per_producer(self) -> dict[int, int]:
+        """Loads verified per producer process, 1 to ``producer_kills + 1``, zeros included.
+        The harness kills a process only once it has served ``kill_after_served``; the last
+        one, started after the last kill, is the one a check of restarts is about."""
+        return {gen: self.verified_by_producer.get(gen, 0) for gen in range(1, self.producer_kills + 2)}
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -216,6 +228,7 @@ class SoakResult:
             "loads_ok": self.loads_ok, "load_failures": self.load_failures,
             "blocks_verified": self.blocks_verified, "max_wait_s": round(self.max_wait_s, 3),
             "loads_past_deadline": self.loads_past_deadline,
+            "verified_by_producer": dict(sorted(self.verified_by_producer.items())),
             "leaks": self.leaks, "violations": len(self.violations), "steps": self.steps,
             "elapsed_s": round(self.elapsed_s, 1),
         }
@@ -619,6 +632,7 @@ class Soak:
                     self._violation(f"I5 {rid} reported loaded but blocks {bad} differ from the producer's bytes; "
                                     + self._whose_kv(rid, bad))
                 self.res.blocks_verified += math.ceil(len(r.prompt) / self.cfg.block_size)
+                self.res.verified_by_producer[r.producer_gen] += 1
                 if self.cfg.mode == "read":
                     why = self.P.lease_end(r.key)
                     if why is not None and why != "done":
@@ -688,7 +702,7 @@ class Soak:
     def iterate(self) -> None:
         now = time.monotonic()
         while len(self.active) < self.cfg.in_flight and self.issued < self.cfg.requests:
-            if self._kills and self.issued >= self._kills[0]:
+            if self._kills and self.issued >= self._kills[0] and self._producer_served():
                 self._kills.pop(0)
                 self._kill_producer(now)
             self._issue(now)
@@ -705,6 +719,11 @@ class Soak:
         self._step_consumer(now)
         self._check_threads()
         self.res.steps += 1
+
+    def _producer_served(self) -> bool:
+        """The current producer process has served ``kill_after_served`` verified loads."""
+        gen = getattr(self.P, "generation", 0)
+        return self.res.verified_by_producer[gen] >= self.cfg.kill_after_served
 
     def _producer_side_ends(self, now: float) -> None:
         """Requests that never reach the consumer: aborted on the producer, or lost with a

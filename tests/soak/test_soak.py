@@ -40,6 +40,13 @@ def _report(res) -> dict:
     return s
 
 
+def _check_every_producer_served(res) -> None:
+    """Each producer process served loads verified byte for byte: a restart that never serves
+    again fails here (and one that never serves is never killed: producer_kills falls short)."""
+    served = res.served_per_producer()
+    assert all(n >= res.config.kill_after_served for n in served.values()), f"loads served per producer: {served}"
+
+
 def _check(res, kinds: set[str], min_ok: float = 0.5) -> None:
     s = _report(res)
     assert not res.violations, f"{len(res.violations)} invariant violations, first: " + "\n".join(res.violations[:10])
@@ -72,9 +79,11 @@ def test_soak_producer_killed_and_restarted(request, mode):
                      kill_at=(0.3, 0.6), p_abort_rate=0.04, late_forward_rate=0.04, never_forward_rate=0.03)
     res = Soak(cfg).run()
     # requests in flight at each kill, and those sent while the new producer starts
-    # (~10 s of vLLM import), are lost or fail: that is the fault, not a defect
-    _check(res, KINDS_CHILD, min_ok=0.3)
+    # (seconds of vLLM import), are lost or fail: that is the fault, not a defect. How many
+    # depends on how long the start takes, so the measure of success is per producer process.
+    _check(res, KINDS_CHILD, min_ok=0.0)
     assert res.producer_kills == 2
+    _check_every_producer_served(res)
 
 
 @pytest.mark.parametrize("mode", ["read", "write"])
