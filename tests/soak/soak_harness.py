@@ -213,11 +213,14 @@ class SoakResult:
     #: loads verified byte for byte, by the producer process (1, 2, ...) their request was sent to
     verified_by_producer: Counter = field(default_factory=Counter)
 
-    def served_per_producer(self) -> dict[int, int]:
-        """Loads verified per producer process, 1 to ``producer_kills + 1``, zeros included.
-        The harness kills a process only once it has served ``kill_after_served``; the last
-        one, started after the last kill, is the one a check of restarts is about."""
-        return {gen: self.verified_by_producer.get(gen, 0) for gen in range(1, self.producer_kills + 2)}
+    def assert_every_producer_served(self) -> None:
+        """Every producer process, 1 to ``producer_kills + 1``, served ``kill_after_served``
+        loads verified byte for byte. The harness kills a process only once it has, so what
+        this adds is the last one, started after the last kill: a restart that never serves
+        again fails here (and a process that never serves is never killed: fewer kills)."""
+        served = {gen: self.verified_by_producer.get(gen, 0) for gen in range(1, self.producer_kills + 2)}
+        assert all(n >= self.config.kill_after_served for n in served.values()), \
+            f"loads served per producer process: {served}"
 
     def summary(self) -> dict[str, Any]:
         return {
