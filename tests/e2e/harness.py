@@ -250,6 +250,42 @@ def _group_processes(pgid: int) -> list[tuple[int, str, str]]:
     return rows
 
 
+def _kernel_threads(pid: int, frames: bool = False) -> str:
+    """Each thread of ``pid`` as the kernel sees it, grouped: state (R running, S sleeping,
+    D uninterruptible, T stopped) and wait channel, e.g. ``9 S futex_do_wait, 1 R``; with
+    ``frames``, the innermost kernel frames of each thread not in S (``/proc/<pid>/task/<tid>/stack``,
+    root only). Where a process writes no Python stack at SIGABRT, this is what is left to
+    see (a thread inside the kernel does not take the signal). Reads only ``stat``,
+    ``wchan`` and ``stack`` files, which take none of the process's locks."""
+    counts: dict[str, int] = {}
+    stacks: list[str] = []
+    try:
+        tids = sorted(os.listdir(f"/proc/{pid}/task"), key=int)
+    except OSError:
+        return "gone"
+    for tid in tids:
+        base = f"/proc/{pid}/task/{tid}"
+        try:
+            with open(f"{base}/stat", "rb") as f:
+                state = f.read().rpartition(b")")[2].split()[0].decode()
+            with open(f"{base}/wchan") as f:
+                wchan = f.read().strip()
+        except (OSError, IndexError):
+            continue
+        key = f"{state} {wchan}" if wchan not in ("", "0") else state
+        counts[key] = counts.get(key, 0) + 1
+        if frames and state != "S":
+            try:
+                with open(f"{base}/stack") as f:
+                    top = [line.split()[-1].split("+")[0] for line in f.read().splitlines()[:4]]
+            except OSError:
+                top = []
+            if top:
+                stacks.append(f"tid {tid} {state}: {' < '.join(top)}")
+    shown = ", ".join(f"{n} {k}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return shown + ("" if not stacks else "; " + "; ".join(stacks))
+
+
 def _thread_summary(dump: str) -> list[str]:
     """From one process's faulthandler output: per thread its innermost frame and, when
     that is library code, the innermost frame of vLLM or kvtransport (what it waits in)."""
@@ -270,10 +306,12 @@ def _thread_summary(dump: str) -> list[str]:
 
 def stall_report(servers: list[VllmServer], stacks: bool = True) -> str:
     """Where each server stands when requests did not finish: selected metrics, its
-    processes as the kernel sees them (state, CPU, CPU%, wait channel) and, with ``stacks``,
+    processes as the kernel sees them (state, CPU, CPU%, wait channel; per thread, state and
+    wait channel, and the kernel frames of any thread not asleep) and, with ``stacks``,
     each thread's innermost Python frame, written by faulthandler (PYTHONFAULTHANDLER in
     base_env) on SIGABRT, all processes frozen first. **This ends the servers**, so call it
-    last. Compact, so that it survives a CI log that keeps only the end of the output."""
+    last. Compact, so that it survives a CI log that keeps only the end of the output; also
+    appended to ``stall-report.txt`` in the servers' log directory."""
     parts, procs = [], []
     for s in servers:
         try:
@@ -284,10 +322,10 @@ def stall_report(servers: list[VllmServer], stacks: bool = True) -> str:
         parts.append(f"[{s.name}] {shown}")
         if s.proc is not None and s.proc.poll() is None:
             rows = _group_processes(s.proc.pid)
-            parts += [f"  {line}" for _, _, line in rows]
+            parts += [f"  {line}\n    threads: {_kernel_threads(pid, frames=True)}" for pid, _, line in rows]
             procs += [(s, pid, name) for pid, name, _ in rows]
     if not stacks:
-        return "\n".join(parts)
+        return _kept(servers, "\n".join(parts))
     # Freeze every process first: one that dies makes its engine tear down (a worker's death
     # ends the engine core and then the API server), which would change what the others show.
     # Then one at a time: SIGABRT and SIGCONT, so the abort (signal 6) is handled first and
@@ -315,8 +353,23 @@ def stall_report(servers: list[VllmServer], stacks: bool = True) -> str:
             f.seek(before)
             lines = _thread_summary(f.read())
         parts.append(f"[{s.name}] pid {pid} {name}, innermost frames at SIGABRT:")
-        parts += lines or ["    (no Python stack written)"]
-    return "\n".join(parts)
+        # none: every thread that could take the signal is inside the kernel (or the process ended)
+        parts += lines or [f"    (no Python stack written) threads: {_kernel_threads(pid, frames=True)}"]
+    return _kept(servers, "\n".join(parts))
+
+
+def _kept(servers: list[VllmServer], report: str) -> str:
+    """``report``, also appended to ``stall-report.txt`` beside the first server's log: a CI
+    run cut short (or a log that keeps only the end) loses what pytest prints last."""
+    if servers:
+        path = servers[0].log_path.parent / "stall-report.txt"
+        try:
+            with open(path, "a") as f:
+                f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')}\n{report}\n")
+            report += f"\n(kept in {path})"
+        except OSError:
+            pass
+    return report
 
 
 def vllm_server(name: str, model: Path, log_dir: Path, cpu: int | None,

@@ -2,7 +2,10 @@
 
 It must name every process of a server's group and, per thread, the Python frame the
 thread was in, from a real process group (a parent and a child process, the parent with a
-second thread), without a vLLM server: the report is the harness's, the processes real.
+second thread), without a vLLM server: the report is the harness's, the processes real. A
+process that writes no Python stack at SIGABRT (here one that ignores the signal, as one
+whose threads are all inside the kernel cannot take it) is shown by its threads' kernel
+state instead.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ PROGRAM = textwrap.dedent("""
     CHILD = ("import time\\ndef engine_step():\\n    print('child', 'up', sep='-', flush=True)\\n"
              "    time.sleep(300)\\nengine_step()")
     child = subprocess.Popen([sys.executable, "-c", CHILD])
+    deaf = subprocess.Popen(["sh", "-c", "trap '' ABRT; exec sleep 300"])  # SIGABRT ignored: no dump
     print("parent", "up", sep="-", flush=True)
     time.sleep(300)
 """)
@@ -45,11 +49,16 @@ def test_stall_report_names_each_process_and_each_threads_frame(tmp_path):
         server.stop()
     print(light, report, sep="\n")
     light_lines = light.splitlines()
-    assert len(light_lines) == 3 and all(line.startswith("  ") for line in light_lines[1:]), light  # 2 processes
+    rows = [line for line in light_lines if line.startswith("  ") and not line.startswith("    ")]
+    assert len(rows) == 3, light  # parent, child, the process that ignores SIGABRT
+    assert sum(1 for line in light_lines if line.startswith("    threads: ")) == 3, light
     assert "innermost" not in light, light
+    kept = (tmp_path / "stall-report.txt").read_text()
+    assert kept.count("\n=== ") + kept.startswith("=== ") == 2 and "(no Python stack written)" in kept, kept
     lines = report.splitlines()
     assert lines[0].startswith("[stalled] metrics unavailable"), report  # nothing serves /metrics here
-    assert sum(1 for line in lines if line.startswith("[stalled] pid ")) == 2, report  # parent and child
+    assert sum(1 for line in lines if line.startswith("[stalled] pid ")) == 3, report
     assert any("in side_channel_wait" in line for line in lines), report  # the parent's second thread
     assert any("in engine_step" in line for line in lines), report  # the child's main thread
-    assert "(no Python stack written)" not in report, report
+    deaf = [line for line in lines if "(no Python stack written)" in line]
+    assert len(deaf) == 1 and "threads: 1 S" in deaf[0], report  # sleep(1) in the kernel: state and wait channel
