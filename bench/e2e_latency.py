@@ -5,7 +5,12 @@ One command (after ``./scripts/dev.sh test`` has built the venv)::
 
     .venv/bin/python bench/e2e_latency.py [--plot out.png] [--setups ...] [--json out.json]
 
-It starts every setup at once (prefill engines confined to CPU 0, decode engines to CPU 1):
+It starts every setup at once (prefill engines confined to CPU 0, decode engines to CPU 1).
+KVTransportConnector setups that differ only in how the client drives the pair (``-router``,
+``-handover``) share one engine pair, and each engine gets a KV cache sized to the workloads
+(``--kv-cache-mib``), so one run holds every setup the time-to-first-token comparison needs
+(9 engines: ``single,example,kvt-read,kvt-read-handover,kvt-write-router,kvt-write-handover,
+kvt-write-router-layerwise``) in 24 GiB on the tiny model:
 
 * ``single``     one engine, no disaggregation (the reference for tokens and time);
 * ``single-pinned``  the same engine with its whole process tree confined to CPU 0, as each PD
@@ -86,6 +91,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 import httpx
@@ -105,6 +111,10 @@ OUTPUT_TOKENS = 16
 #: bf16 (80 layers x 8 KV heads x 128 x K and V x 2 bytes); a 200-token prompt moves ~64 MiB.
 MODELS = {"tiny": dict(num_layers=2, num_heads=2), "kv-heavy": dict(num_layers=16, num_heads=16),
           "kv-70b": dict(num_layers=40, num_heads=16)}
+#: KV cache per engine (MiB): the largest workload (concurrency 32, prompts up to 240 tokens
+#: plus 16 generated) needs about 8,200 tokens' worth, 16 MiB on the tiny model; kv-70b's
+#: concurrency 8 about 2,050 tokens' worth (640 MiB). Each engine takes ~1.4 GiB besides.
+KV_CACHE_MIB = {"tiny": 256, "kv-heavy": 1024, "kv-70b": 1024}
 #: Prompt lengths of the sequential workload (the issue's 13 prompts of 3-207 tokens).
 SEQ_LENGTHS = [3, 9, 17, 31, 32, 33, 48, 64, 95, 120, 150, 180, 207]
 CONCURRENCY = (8, 32)
@@ -189,7 +199,16 @@ class Setup:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def make_setup(name: str, model: Path, log_dir: Path) -> Setup:
+#: one engine pair per engine configuration: (mode, backend, spin yield, switch interval,
+#: layer-wise, off-core copies) -> (prefill, decode, prefill side-channel port, decode's)
+Pairs = dict[tuple[Any, ...], tuple[harness.VllmServer, harness.VllmServer, int, int]]
+
+
+def make_setup(name: str, model: Path, log_dir: Path, pairs: Pairs | None = None) -> Setup:
+    """The setup ``name``. KVTransportConnector setups that differ only in how the client
+    drives the pair (``-router``, ``-handover``) share one engine pair through ``pairs``:
+    the engines are configured alike, and a run with every setup fits in memory."""
+    pairs = {} if pairs is None else pairs
     env = {"KVTRANSPORT_SECRET": secrets.token_hex(16)}
     if name == "single":
         return Setup(name, None, harness.vllm_server("single", model, log_dir, cpu=0), False)
@@ -231,13 +250,17 @@ def make_setup(name: str, model: Path, log_dir: Path) -> Setup:
                              "ids to the prefill engine, which pushes the KV once its prefill is done); in READ mode "
                              "the decode engine needs the prefill's block ids, which exist only after the prefill "
                              "has answered. Use kvt-write-router.")
-        pre_port, dec_port = harness.free_port(), harness.free_port()
-        pre = harness.vllm_server(f"{name}-prefill", model, log_dir, cpu=0, env_extra=env,
-                                  kv_transfer_config=kvt_config("kv_producer", mode, backend, pre_port, spin, switch,
-                                                                layerwise, [1] if offcore else None))
-        dec = harness.vllm_server(f"{name}-decode", model, log_dir, cpu=1, env_extra=env,
-                                  kv_transfer_config=kvt_config("kv_consumer", mode, backend, dec_port, spin, switch,
-                                                                layerwise))
+        key = (mode, backend, spin, switch, layerwise, offcore)
+        if key not in pairs:
+            pre_port, dec_port = harness.free_port(), harness.free_port()
+            pre = harness.vllm_server(f"{name}-prefill", model, log_dir, cpu=0, env_extra=env,
+                                      kv_transfer_config=kvt_config("kv_producer", mode, backend, pre_port, spin,
+                                                                    switch, layerwise, [1] if offcore else None))
+            dec = harness.vllm_server(f"{name}-decode", model, log_dir, cpu=1, env_extra=env,
+                                      kv_transfer_config=kvt_config("kv_consumer", mode, backend, dec_port, spin,
+                                                                    switch, layerwise))
+            pairs[key] = (pre, dec, pre_port, dec_port)
+        pre, dec, pre_port, dec_port = pairs[key]
         return Setup(name, pre, dec, True, router_ports=(pre_port, dec_port) if router else None,
                      handover=handover)
     if name == "example":
@@ -262,6 +285,21 @@ def make_setup(name: str, model: Path, log_dir: Path) -> Setup:
                                   env_extra={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(harness.free_port())})
         return Setup(name, pre, dec, True)
     raise SystemExit(f"unknown setup {name!r}")
+
+
+def distinct_servers(setups: Iterable[Setup]) -> list[harness.VllmServer]:
+    """Every engine once, though setups may share a pair."""
+    out: list[harness.VllmServer] = []
+    for st in setups:
+        out += [s for s in st.servers if all(s is not o for o in out)]
+    return out
+
+
+def size_kv_cache(server: harness.VllmServer, mib: int) -> None:
+    """Give ``server`` ``mib`` MiB of KV cache (``--kv-cache-memory-bytes``) instead of the
+    e2e harness's 1 GiB (``VLLM_CPU_KVCACHE_SPACE``, whole GiB only, which takes precedence)."""
+    server.env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    server.cmd += ["--kv-cache-memory-bytes", str(mib << 20)]
 
 
 def pin_engine_trees(setup: Setup) -> None:
@@ -518,6 +556,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="tiny: 2 KiB of KV per token (the e2e tests' model); kv-heavy: 128 KiB per token "
                          "(Llama-3-8B's in bf16); kv-70b: 320 KiB per token (Llama-3-70B's in bf16); "
                          "little more compute")
+    ap.add_argument("--kv-cache-mib", type=int, default=None,
+                    help="KV cache per engine in MiB (default per model: " +
+                         ", ".join(f"{k} {v}" for k, v in KV_CACHE_MIB.items()) + "); each engine's memory is "
+                         "about 1.4 GiB plus this, so it decides how many setups one run can hold")
     ap.add_argument("--pin", choices=("worker", "engine"), default="engine",
                     help="worker: only each worker's OpenMP threads are pinned (VLLM_CPU_OMP_THREADS_BIND); "
                          "engine: each PD engine's whole process tree is confined to its core")
@@ -541,15 +583,23 @@ def main(argv: list[str] | None = None) -> int:
     # Fresh prompts for every (round, setup), so no prefix cache holds them from before.
     plan = {(r, name): make_workloads(vocab, 1000 * r + i, wl_names)
             for r in range(args.rounds) for i, name in enumerate(names)}
-    setups = {name: make_setup(name, model, log_dir) for name in names}
-    for st in setups.values():
-        if args.pin == "engine" and st.prefill is not None:
-            pin_engine_trees(st)
+    pairs: Pairs = {}
+    setups = {name: make_setup(name, model, log_dir, pairs) for name in names}
+    engines = distinct_servers(setups.values())
+    for server in engines:
+        size_kv_cache(server, args.kv_cache_mib or KV_CACHE_MIB[args.model])
+    if args.pin == "engine":
+        for pre, dec, _, _ in pairs.values():
+            pin_engine_trees(Setup("pair", pre, dec, True))
+        for st in setups.values():
+            if st.prefill is not None and not st.name.startswith("kvt-"):
+                pin_engine_trees(st)
     samples: dict[str, dict[str, list[Sample]]] = {n: {w: [] for w in wl_names} for n in names}
     walls: dict[str, dict[str, float]] = {n: {w: 0.0 for w in wl_names} for n in names}
     phases: dict[str, dict[str, dict[str, tuple[float, float]]]] = {n: {} for n in names}
     try:
-        took = harness.start_all([s for st in setups.values() for s in st.servers], timeout_s=600)
+        print(f"[bench] {len(engines)} engines for {len(setups)} setups")
+        took = harness.start_all(engines, timeout_s=600)
         print("[bench] up after " + ", ".join(f"{k} {v:.0f}s" for k, v in took.items()))
         for st in setups.values():
             asyncio.run(warm_up(st, vocab))
@@ -565,8 +615,7 @@ def main(argv: list[str] | None = None) -> int:
                         continue  # an engine of this setup died: its errors say why
                     wl = next(w for w in plan[(r, name)] if w.name == wname)
                     if args.freeze_idle:
-                        for other in setups.values():
-                            freeze(other, other is not st)
+                        freeze_all_but(setups.values(), st)
                     time.sleep(SPIN_DOWN_S)  # let the previous setup's workers stop busy-waiting
                     before = phase_metrics(st)
                     got, wall = asyncio.run(run_workload(st, wl))
@@ -579,9 +628,9 @@ def main(argv: list[str] | None = None) -> int:
                         acc[k] = (old[0] + v[0] - b0[0], old[1] + v[1] - b0[1])
             print(f"[bench] workload {wname}: {args.rounds} rounds done")
     finally:
+        freeze_all_but(setups.values(), None)
         for st in setups.values():
-            freeze(st, False)
-            st.stop()
+            st.stop()  # a shared engine's second stop finds it stopped
     results = {n: {w: summarise(samples[n][w], walls[n][w],
                                 sum(1 for s in samples[n][w] if s.tokens != reference.get(s.prompt)),
                                 sum(1 for e in setups[n].errors if e.startswith(w + ":")))
@@ -603,8 +652,16 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if bad or ours_failed else 0
 
 
-def freeze(setup: Setup, frozen: bool) -> None:
-    """Stop (SIGSTOP) or resume (SIGCONT) every process of a setup's engines.
+def freeze_all_but(setups: Iterable[Setup], active: Setup | None) -> None:
+    """Stop every engine but ``active``'s (an engine two setups share runs while either is
+    timed); ``None`` resumes them all."""
+    keep = active.servers if active is not None else []
+    for server in distinct_servers(setups):
+        freeze(server, all(server is not k for k in keep))
+
+
+def freeze(server: harness.VllmServer, frozen: bool) -> None:
+    """Stop (SIGSTOP) or resume (SIGCONT) every process of an engine.
 
     Idle engines are not idle on this machine: vLLM's workers busy-wait for a second after each
     step, and an idle NixlConnector engine's NIXL progress thread spins for good (measured: 1.01
@@ -613,17 +670,16 @@ def freeze(setup: Setup, frozen: bool) -> None:
     import psutil  # a vLLM dependency
 
     sig = signal.SIGSTOP if frozen else signal.SIGCONT
-    for server in setup.servers:
-        if server.proc is None or server.proc.poll() is not None:
-            continue
-        try:
-            root = psutil.Process(server.proc.pid)
-            procs = [root] + root.children(recursive=True)
-        except psutil.NoSuchProcess:
-            continue
-        for proc in procs:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.send_signal(sig)
+    if server.proc is None or server.proc.poll() is not None:
+        return
+    try:
+        root = psutil.Process(server.proc.pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.send_signal(sig)
 
 
 #: vLLM's workers busy-wait on their step queue for 1 s after their last step; a pause of a
