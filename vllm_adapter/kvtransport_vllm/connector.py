@@ -314,7 +314,10 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> KVTransportStats | None:
         if self._worker is None:
             return None
-        stats = KVTransportStats(self._worker.take_stats())
+        data = self._worker.take_stats()
+        if data is None:
+            return None
+        stats = KVTransportStats(data)
         return None if stats.is_empty() else stats
 
     @classmethod

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Cause", "HOLD_CAUSES", "LoadClock", "PHASES", "count_outcome", "new_stats", "record_load",
+__all__ = ["Cause", "HOLD_CAUSES", "LoadClock", "PHASES", "count_outcome", "new_stats", "stats_empty", "record_load",
            "record_transfer", "record_written"]
 
 PHASES = ("queued", "handshake", "transfer", "confirm", "step", "report", "total")
@@ -106,6 +106,12 @@ def new_stats() -> dict[str, Any]:
             "phase_s": {p: [] for p in PHASES}, "outcomes": {},
             # snapshots taken at take_stats (None: unchanged since the last report)
             "holds_in_flight": None, "loads_in_flight": None}
+
+
+def stats_empty(stats: dict[str, Any]) -> bool:
+    """Nothing recorded in ``stats`` (a :func:`new_stats` dictionary) since it was made."""
+    return (not any(v for k, v in stats.items() if k not in ("phase_s", "holds_in_flight", "loads_in_flight"))
+            and not any(stats["phase_s"].values()))
 
 
 def count_outcome(stats: dict[str, Any], side: str, cause: Cause) -> None:

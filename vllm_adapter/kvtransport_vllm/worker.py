@@ -43,6 +43,7 @@ from .handlers import SideChannelHandlers
 from .kv_groups import GroupInfo
 from .kv_layout import KVLayoutError, check_uniform, describe_kv_caches
 from .layerwise import LayerwiseWriter
+from .load_stats import stats_empty
 from .messages import Aborted, KVTransportMetadata, LayoutInfo, PeerNotice, Release, Renew
 from .producer import Producer
 from .read_confirmer import ReadConfirmer
@@ -74,18 +75,9 @@ class ModelInfo:
 
 
 class KVTransportWorker:
-    def __init__(
-        self,
-        cfg: ConnectorConfig,
-        block_size: int,
-        num_blocks: int,
-        dtype: str,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        dp_rank: int = 0,
-        model: ModelInfo | None = None,
-        groups: list[GroupInfo] | None = None,
-    ) -> None:
+    def __init__(self, cfg: ConnectorConfig, block_size: int, num_blocks: int, dtype: str, tp_rank: int = 0,
+                 tp_size: int = 1, dp_rank: int = 0, model: ModelInfo | None = None,
+                 groups: list[GroupInfo] | None = None) -> None:
         self.cfg = cfg
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -421,17 +413,20 @@ class KVTransportWorker:
             out, self.consumer.load_errors = self.consumer.load_errors, set()
         return out
 
-    def take_stats(self) -> dict[str, Any]:
-        """Counters since the last call. The side-channel refusals are kept as running
-        totals by the sockets themselves (the server's thread counts them, and its log
-        throttling reads them), so they are reported as the difference to the last call."""
+    def take_stats(self) -> dict[str, Any] | None:
+        """Counters since the last call; None when nothing changed (vLLM asks every step, and
+        most steps move no KV). Side-channel refusals are running totals kept by the sockets
+        (the server's thread counts them), reported as the difference to the last call."""
         with self.ctx.lock:
-            out, self.ctx.stats = self.ctx.stats, new_stats()
             in_flight = (len(self.producer.holds), len(self.consumer.recv))
+            totals = self._side_channel_totals()
+            if stats_empty(self.ctx.stats) and (in_flight, totals) == (self._in_flight_reported,
+                                                                       self._side_channel_reported):
+                return None
+            out, self.ctx.stats = self.ctx.stats, new_stats()
             if in_flight != self._in_flight_reported:  # gauges: reported when they change
                 out["holds_in_flight"], out["loads_in_flight"] = in_flight
                 self._in_flight_reported = in_flight
-            totals = self._side_channel_totals()
             for k, v in totals.items():
                 out[k] = v - self._side_channel_reported[k]
             self._side_channel_reported = totals
@@ -442,16 +437,14 @@ class KVTransportWorker:
         failed authentication, malformed, wrong protocol version; and refusals the
         server's failure rate limit dropped without a reply (also counted by reason)."""
         out = dict(self._side_channel_closed)
-        if self.server is not None:
-            c = self.server.counters
-            out["sc_auth_failures"] += c["auth"]
-            out["sc_malformed"] += c["malformed"]
-            out["sc_version_mismatch"] += c["version"]
-            out["sc_dropped"] += c["dropped"]
-        clients = [p.client for p in self.consumer.peers.values()] + list(self.ctx.reply_clients.values())
-        for client in clients:
-            out["sc_auth_failures"] += client.counters["auth"]
-            out["sc_malformed"] += client.counters["malformed"]
+        names = {"sc_auth_failures": "auth", "sc_malformed": "malformed", "sc_version_mismatch": "version",
+                 "sc_dropped": "dropped"}
+        counters = [self.server.counters] if self.server is not None else []
+        counters += [p.client.counters for p in self.consumer.peers.values()]
+        counters += [c.counters for c in self.ctx.reply_clients.values()]  # clients: auth and malformed only
+        for c in counters:
+            for key, name in names.items():
+                out[key] += c.get(name, 0)
         return out
 
     # ------------------------------------------------------------------ side-channel replies
