@@ -89,9 +89,9 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Iterable
 from typing import Any
 
 import httpx
@@ -311,7 +311,7 @@ def pin_engine_trees(setup: Setup) -> None:
     engine's core. Confining each engine to its core keeps one engine's spin off the other.
     """
     for server, cpu in ((setup.prefill, 0), (setup.decode, 1)):
-        if server is not None:
+        if server is not None and server.cmd[0] != "taskset":  # a pair two setups share: once
             server.cmd = ["taskset", "-c", str(cpu)] + server.cmd
 
 
@@ -588,12 +588,9 @@ def main(argv: list[str] | None = None) -> int:
     engines = distinct_servers(setups.values())
     for server in engines:
         size_kv_cache(server, args.kv_cache_mib or KV_CACHE_MIB[args.model])
-    if args.pin == "engine":
-        for pre, dec, _, _ in pairs.values():
-            pin_engine_trees(Setup("pair", pre, dec, True))
-        for st in setups.values():
-            if st.prefill is not None and not st.name.startswith("kvt-"):
-                pin_engine_trees(st)
+    for st in setups.values():
+        if args.pin == "engine" and st.prefill is not None:
+            pin_engine_trees(st)
     samples: dict[str, dict[str, list[Sample]]] = {n: {w: [] for w in wl_names} for n in names}
     walls: dict[str, dict[str, float]] = {n: {w: 0.0 for w in wl_names} for n in names}
     phases: dict[str, dict[str, dict[str, tuple[float, float]]]] = {n: {} for n in names}
