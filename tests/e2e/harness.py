@@ -250,13 +250,13 @@ def _group_processes(pgid: int) -> list[tuple[int, str, str]]:
     return rows
 
 
-def _kernel_threads(pid: int, frames: bool = False) -> str:
+def _kernel_threads(pid: int) -> str:
     """Each thread of ``pid`` as the kernel sees it, grouped: state (R running, S sleeping,
-    D uninterruptible, T stopped) and wait channel, e.g. ``9 S futex_do_wait, 1 R``; with
-    ``frames``, the innermost kernel frames of each thread not in S (``/proc/<pid>/task/<tid>/stack``,
-    root only). Where a process writes no Python stack at SIGABRT, this is what is left to
-    see (a thread inside the kernel does not take the signal). Reads only ``stat``,
-    ``wchan`` and ``stack`` files, which take none of the process's locks."""
+    D uninterruptible, T stopped) and wait channel, e.g. ``9 S futex_do_wait, 1 R``; then the
+    innermost kernel frames of each thread not in S (``/proc/<pid>/task/<tid>/stack``, root
+    only). Where a process writes no Python stack at SIGABRT, this is what is left to see (a
+    thread inside the kernel does not take the signal). Reads only ``stat``, ``wchan`` and
+    ``stack`` files, which take none of the process's locks."""
     counts: dict[str, int] = {}
     stacks: list[str] = []
     try:
@@ -274,7 +274,7 @@ def _kernel_threads(pid: int, frames: bool = False) -> str:
             continue
         key = f"{state} {wchan}" if wchan not in ("", "0") else state
         counts[key] = counts.get(key, 0) + 1
-        if frames and state != "S":
+        if state != "S":
             try:
                 with open(f"{base}/stack") as f:
                     top = [line.split()[-1].split("+")[0] for line in f.read().splitlines()[:4]]
@@ -322,7 +322,7 @@ def stall_report(servers: list[VllmServer], stacks: bool = True) -> str:
         parts.append(f"[{s.name}] {shown}")
         if s.proc is not None and s.proc.poll() is None:
             rows = _group_processes(s.proc.pid)
-            parts += [f"  {line}\n    threads: {_kernel_threads(pid, frames=True)}" for pid, _, line in rows]
+            parts += [f"  {line}\n    threads: {_kernel_threads(pid)}" for pid, _, line in rows]
             procs += [(s, pid, name) for pid, name, _ in rows]
     if not stacks:
         return _kept(servers, "\n".join(parts))
@@ -354,7 +354,7 @@ def stall_report(servers: list[VllmServer], stacks: bool = True) -> str:
             lines = _thread_summary(f.read())
         parts.append(f"[{s.name}] pid {pid} {name}, innermost frames at SIGABRT:")
         # none: every thread that could take the signal is inside the kernel (or the process ended)
-        parts += lines or [f"    (no Python stack written) threads: {_kernel_threads(pid, frames=True)}"]
+        parts += lines or [f"    (no Python stack written) threads: {_kernel_threads(pid)}"]
     return _kept(servers, "\n".join(parts))
 
 
