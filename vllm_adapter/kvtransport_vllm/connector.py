@@ -314,11 +314,8 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> KVTransportStats | None:
         if self._worker is None:
             return None
-        data = self._worker.take_stats()
-        if data is None:
-            return None
-        stats = KVTransportStats(data)
-        return None if stats.is_empty() else stats
+        data = self._worker.take_stats()  # None when nothing changed since the last step
+        return None if data is None else KVTransportStats(data)
 
     @classmethod
     def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],

@@ -109,7 +109,8 @@ def new_stats() -> dict[str, Any]:
 
 
 def stats_empty(stats: dict[str, Any]) -> bool:
-    """Nothing recorded in ``stats`` (a :func:`new_stats` dictionary) since it was made."""
+    """Nothing recorded in ``stats`` (a :func:`new_stats` dictionary) since it was made; the
+    in-flight gauges are not records (:meth:`.stats.KVTransportStats.is_empty` adds them)."""
     return (not any(v for k, v in stats.items() if k not in ("phase_s", "holds_in_flight", "loads_in_flight"))
             and not any(stats["phase_s"].values()))
 

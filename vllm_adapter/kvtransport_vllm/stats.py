@@ -13,7 +13,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from .load_stats import PHASES
+from .load_stats import PHASES, stats_empty
 
 __all__ = ["KVTransportStats"]
 
@@ -94,6 +94,4 @@ class KVTransportStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        d = self.data
-        return (not any(d.get(k) for k in _SUMS) and not any(d.get(k) for k in _LISTS)
-                and not d.get("outcomes") and all(d.get(k) is None for k in _GAUGES))
+        return stats_empty(self.data) and all(self.data.get(k) is None for k in _GAUGES)
