@@ -10,7 +10,7 @@ KVTransportConnector setups that differ only in how the client drives the pair (
 ``-handover``) share one engine pair, and each engine gets a KV cache sized to the workloads
 (``--kv-cache-mib``), so one run holds every setup the time-to-first-token comparison needs
 (9 engines: ``single,example,kvt-read,kvt-read-handover,kvt-write-router,kvt-write-handover,
-kvt-write-router-layerwise``) in 24 GiB on the tiny model:
+kvt-write-router-layerwise``) in 24 GiB, on the tiny model and on ``--model kv-70b``:
 
 * ``single``     one engine, no disaggregation (the reference for tokens and time);
 * ``single-pinned``  the same engine with its whole process tree confined to CPU 0, as each PD
@@ -113,8 +113,9 @@ MODELS = {"tiny": dict(num_layers=2, num_heads=2), "kv-heavy": dict(num_layers=1
           "kv-70b": dict(num_layers=40, num_heads=16)}
 #: KV cache per engine (MiB): the largest workload (concurrency 32, prompts up to 240 tokens
 #: plus 16 generated) needs about 8,200 tokens' worth, 16 MiB on the tiny model; kv-70b's
-#: concurrency 8 about 2,050 tokens' worth (640 MiB). Each engine takes ~1.4 GiB besides.
-KV_CACHE_MIB = {"tiny": 256, "kv-heavy": 1024, "kv-70b": 1024}
+#: concurrency 8 about 2,050 tokens' worth (640 MiB; 768 leaves a few blocks spare, and a kv-70b
+#: engine then takes 2.3 GB, so the 9 engines of every setup fit). Each engine takes ~1.4 GiB besides.
+KV_CACHE_MIB = {"tiny": 256, "kv-heavy": 1024, "kv-70b": 768}
 #: Prompt lengths of the sequential workload (the issue's 13 prompts of 3-207 tokens).
 SEQ_LENGTHS = [3, 9, 17, 31, 32, 33, 48, 64, 95, 120, 150, 180, 207]
 CONCURRENCY = (8, 32)
