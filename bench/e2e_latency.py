@@ -514,8 +514,9 @@ def phase_metrics(setup: Setup) -> dict[str, tuple[float, float]]:
     """{phase: (sum seconds, count)} of the connector's per-phase load timings (decode
     engine); under ``AFTER_PREFILL`` the WRITE time after the prefill (prefill engine); under
     ``ENGINE_TTFT`` vLLM's own time to first token on the engine whose token is the client's
-    first (one engine alone, or the prefill engine under the first-token hand-over). Each
-    engine's /metrics is read once."""
+    first (one engine alone, or the prefill engine under the first-token hand-over); under the keys
+    of ``ANSWERING_ENGINE`` vLLM's request phases on the engine that streams the answer (the
+    decode engine, or one engine alone). Each engine's /metrics is read once."""
     pre, dec = _scrape(setup.prefill), _scrape(setup.decode)
     if setup.handover:
         first_token = pre
@@ -524,7 +525,9 @@ def phase_metrics(setup: Setup) -> dict[str, tuple[float, float]]:
     else:
         first_token = {}  # the client's first token spans both hops: no one engine's view
     out: dict[str, tuple[float, float]] = {}
-    for key, m, series in ((AFTER_PREFILL, pre, AFTER_PREFILL_SERIES), (ENGINE_TTFT, first_token, ENGINE_TTFT_SERIES)):
+    series_of = [(AFTER_PREFILL, pre, AFTER_PREFILL_SERIES), (ENGINE_TTFT, first_token, ENGINE_TTFT_SERIES)]
+    series_of += [(key, dec, series) for key, series in ANSWERING_ENGINE.items()]
+    for key, m, series in series_of:
         got = _sum_count(m, series)
         if got is not None:
             out[key] = got
@@ -733,6 +736,15 @@ def report(results: dict[str, dict[str, dict[str, Any]]], phases: dict[str, Any]
         for name, wl, ph in rows:
             total, count = ph[ENGINE_TTFT]
             print(f"| {name} | {wl} | {int(count)} | {1000 * total / count:.2f} |")
+    rows = [(name, wl, ph) for name, by_wl in phases.items() for wl, ph in by_wl.items() if ph.get("engine e2e")]
+    if rows:
+        print("\n## Where the answering engine's time goes (vLLM's request metrics on the decode engine, or on one"
+              " engine alone), mean ms per request")
+        print("| setup | workload | n | " + " | ".join(ANSWERING_ENGINE) + " |\n" + "|---" * (len(ANSWERING_ENGINE) + 3) + "|")
+        for name, wl, ph in rows:
+            means = [ph.get(k, (0.0, 0.0)) for k in ANSWERING_ENGINE]
+            print(f"| {name} | {wl} | {int(ph['engine e2e'][1])} | "
+                  + " | ".join(f"{1000 * t / c:.2f}" if c else "—" for t, c in means) + " |")
     rows = [(name, wl, ph) for name, by_wl in phases.items() for wl, ph in by_wl.items() if ph.get("total")]
     if rows:
         print("\n## KVTransportConnector: where a remote load's time goes (decode engine's stats, mean ms per load)")
@@ -763,6 +775,14 @@ AFTER_PREFILL = "write_after_prefill"
 #: vLLM's own time to first token (arrival in the engine -> first token out), kept with the phases
 ENGINE_TTFT_SERIES = "vllm:time_to_first_token_seconds"
 ENGINE_TTFT = "engine_ttft"
+#: vLLM's request phases on the engine that streams the answer, kept with the phases: where a
+#: pair's time goes against one engine's. "queue" runs from arrival to the first scheduled step,
+#: so for a remote load it is the wait for the KV; a remote load's "prefill" is the forward vLLM
+#: runs on the last prompt token to sample the first one (one engine's prefill otherwise).
+ANSWERING_ENGINE = {"queue": "vllm:request_queue_time_seconds", "prefill": "vllm:request_prefill_time_seconds",
+                    "decode": "vllm:request_decode_time_seconds",
+                    "inter-token": "vllm:inter_token_latency_seconds",
+                    "engine e2e": "vllm:e2e_request_latency_seconds"}
 
 
 def plot(results: dict[str, dict[str, dict[str, Any]]], wls: list[str], out: Path) -> None:
